@@ -1,0 +1,476 @@
+"""Layout policies: which data-parallel shard owns which whole parameter (pure Python).
+
+Megatron-Core changed its layer-wise layout algorithm several times; each
+version is kept here as a named policy and reproduces Megatron's output
+exactly (see ``tests/fixtures/layouts``):
+
+* ``size_matching``: the layout as first introduced (Megatron-LM ``c1e938b039``,
+  never released). Lockstep rounds: a seed in shard 0, an equal-size peer in
+  every other shard, else the slot is filled greedily with what comes next.
+* ``lpt``: megatron-core 0.18/0.19. Per bucket, largest-first by element count
+  onto the shard whose cursor is lowest.
+* ``ns_cost``: Megatron-LM main. Largest-first by Newton–Schulz cost
+  :math:`\\max(m, n)\\min(m, n)^2` onto the least-loaded shard among those that
+  stay under :math:`1.3\\times` the even element share; buckets close only when
+  the next parameter would grow the shard size (a soft minimum).
+
+All policies walk the parameters in backprop order (reverse definition order),
+isolate tied embeddings in buckets of their own (whole, in shard 0), start every
+parameter on a 64-element boundary and keep shards of a bucket equal-sized.
+
+Elementwise (non-Muon) buffers use :func:`compute_distributed_optimizer_layout`,
+Megatron's byte-level layout whose shards may split parameters. The legacy
+ping-pong ownership, used by Megatron when no layout is given, is
+:func:`ping_pong_ownership`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from lwjax.layout import (
+    BufferKey,
+    FullParamLayout,
+    ParamSpec,
+    PerBufferParamLayout,
+    pad_bucket_end,
+    pad_param_start,
+    pad_to_divisor,
+    shard_divisor,
+)
+
+POLICIES = ("ns_cost", "lpt", "size_matching")
+LayoutPolicy = Literal["ns_cost", "lpt", "size_matching"]
+DEFAULT_POLICY: LayoutPolicy = "ns_cost"
+
+NUMEL_CAP_SLACK = 0.3  # ns_cost: a shard may hold up to 1.3x the even element share.
+PADDING_FLOOR = 0.9  # a bucket is at least 0.9 * dp * (largest parameter) elements.
+
+
+def ns_cost(spec: ParamSpec) -> int:
+    """Estimated Newton–Schulz cost: ``max(m, n) * min(m, n)**2`` for a matrix, else numel."""
+    if len(spec.shape) != 2:
+        return spec.numel
+    m, n = spec.shape
+    return max(m, n) * min(m, n) ** 2
+
+
+class _BucketWriter:
+    """Accumulates buckets of one buffer: shard contents in, absolute offsets out."""
+
+    def __init__(self, dp: int, high_busbw: bool):
+        self.dp = dp
+        self.divisor = shard_divisor(dp, high_busbw)
+        self.index_map: dict[str, tuple[int, int, int]] = {}
+        self.buckets: list[tuple[int, int]] = []
+        self.unpadded: list[int] = []
+        self.cursor = 0
+
+    def write(self, shards: Sequence[Sequence[tuple[str | None, int]]], used: int) -> None:
+        """Close one bucket; ``shards[s]`` lists ``(name or None for padding, numel)``.
+
+        ``used`` is the largest shard cursor; the shard size is it rounded up
+        to the shard divisor.
+        """
+        shard_size = pad_to_divisor(used, self.divisor)
+        bucket_id, start = len(self.buckets), self.cursor
+        real = 0
+        for s, entries in enumerate(shards):
+            offset = start + s * shard_size
+            for name, numel in entries:
+                offset = pad_param_start(offset)
+                if name is not None:
+                    self.index_map[name] = (offset, offset + numel, bucket_id)
+                    real += numel
+                offset += numel
+        self.cursor = start + self.dp * shard_size
+        self.buckets.append((start, self.cursor))
+        self.unpadded.append(real)
+
+    def write_shared(self, spec: ParamSpec) -> None:
+        """Close a bucket holding only a tied embedding, whole in shard 0."""
+        padding = [(None, spec.numel)] * (self.dp - 1)
+        self.write([[(spec.name, spec.numel)], *([p] for p in padding)], spec.numel)
+
+    def finish(self, specs: Sequence[ParamSpec], param_indices) -> PerBufferParamLayout:
+        order = {spec.name: i for i, spec in enumerate(specs)}
+        index_map = dict(sorted(self.index_map.items(), key=lambda kv: order[kv[0]]))
+        return PerBufferParamLayout(
+            param_index_map=index_map,
+            bucket_indices=tuple(self.buckets),
+            per_bucket_numel_unpadded=tuple(self.unpadded),
+            param_indices=tuple(param_indices),
+            num_shards=self.dp,
+            is_layer_wise=True,
+        )
+
+
+def _bucket_threshold(bucket_size: int, dp: int, largest: int) -> int:
+    """Soft bucket minimum: ``max(bucket_size, int(dp * largest * 0.9))``."""
+    return max(bucket_size, int(dp * largest * PADDING_FLOOR))
+
+
+def _emit_lpt(writer: _BucketWriter, chunk: list[ParamSpec]) -> None:
+    """Largest numel first onto the shard with the lowest cursor."""
+    cursors = [0] * writer.dp
+    shards: list[list[tuple[str, int]]] = [[] for _ in range(writer.dp)]
+    for spec in sorted(chunk, key=lambda p: -p.numel):
+        s = cursors.index(min(cursors))
+        shards[s].append((spec.name, spec.numel))
+        cursors[s] = pad_param_start(cursors[s]) + spec.numel
+    writer.write(shards, max(cursors))
+
+
+def _layout_lpt(specs, dp, bucket_size, writer: _BucketWriter) -> None:
+    chunk: list[ParamSpec] = []
+    chunk_numel = chunk_max = 0
+    for spec in reversed(specs):
+        if spec.is_shared_embedding:
+            if chunk:
+                _emit_lpt(writer, chunk)
+            chunk, chunk_numel, chunk_max = [], 0, 0
+            writer.write_shared(spec)
+            continue
+        chunk.append(spec)
+        chunk_numel += spec.numel
+        chunk_max = max(chunk_max, spec.numel)
+        if bucket_size is not None and chunk_numel >= _bucket_threshold(bucket_size, dp, chunk_max):
+            _emit_lpt(writer, chunk)
+            chunk, chunk_numel, chunk_max = [], 0, 0
+    if chunk:
+        _emit_lpt(writer, chunk)
+
+
+def _emit_ns_cost(writer: _BucketWriter, chunk: list[ParamSpec], compute_loads: list[int]) -> None:
+    """Costliest first onto the least-loaded shard that stays under the element cap.
+
+    ``compute_loads`` carries Newton–Schulz cost across the buffer's buckets.
+    """
+    dp = writer.dp
+    cursors = [0] * dp
+    shards: list[list[tuple[str, int]]] = [[] for _ in range(dp)]
+    cap = (sum(p.numel for p in chunk) / dp) * (1 + NUMEL_CAP_SLACK)
+    for spec in sorted(chunk, key=lambda p: -ns_cost(p)):
+        fits = [s for s in range(dp) if pad_param_start(cursors[s]) + spec.numel <= cap]
+        if fits:
+            s = min(fits, key=lambda s: compute_loads[s])
+        else:
+            s = cursors.index(min(cursors))
+        shards[s].append((spec.name, spec.numel))
+        cursors[s] = pad_param_start(cursors[s]) + spec.numel
+        compute_loads[s] += ns_cost(spec)
+    writer.write(shards, max(cursors))
+
+
+def _layout_ns_cost(specs, dp, bucket_size, writer: _BucketWriter) -> None:
+    compute_loads = [0] * dp
+    chunk: list[ParamSpec] = []
+    chunk_numel = chunk_max = 0
+    estimate = [0] * dp  # element loads if the chunk were placed in backprop order
+
+    def absorbs(numel: int) -> bool:
+        """Whether the next parameter fits without growing the bucket's shard size."""
+        return pad_param_start(min(estimate)) + numel <= pad_to_divisor(max(estimate), writer.divisor)
+
+    for spec in reversed(specs):
+        if spec.is_shared_embedding:
+            if chunk:
+                _emit_ns_cost(writer, chunk, compute_loads)
+            chunk, chunk_numel, chunk_max, estimate = [], 0, 0, [0] * dp
+            writer.write_shared(spec)
+            continue
+        if bucket_size is not None and chunk:
+            threshold = _bucket_threshold(bucket_size, dp, chunk_max)
+            if chunk_numel >= threshold and not absorbs(spec.numel):
+                _emit_ns_cost(writer, chunk, compute_loads)
+                chunk, chunk_numel, chunk_max, estimate = [], 0, 0, [0] * dp
+        s = estimate.index(min(estimate))
+        estimate[s] = pad_param_start(estimate[s]) + spec.numel
+        chunk.append(spec)
+        chunk_numel += spec.numel
+        chunk_max = max(chunk_max, spec.numel)
+    if chunk:
+        _emit_ns_cost(writer, chunk, compute_loads)
+
+
+def _layout_size_matching(specs, dp, bucket_size, writer: _BucketWriter) -> None:
+    shared = [p for p in specs if p.is_shared_embedding]
+    pool = [p for p in reversed(specs) if not p.is_shared_embedding]
+    for spec in reversed(shared):  # tied embeddings first, each in its own bucket
+        writer.write_shared(spec)
+
+    by_size: dict[int, list[int]] = {}
+    for i, spec in enumerate(pool):
+        by_size.setdefault(spec.numel, []).append(i)
+    size_cursor = dict.fromkeys(by_size, 0)
+    assigned = [False] * len(pool)
+    next_free = 0
+
+    def next_unassigned() -> int | None:
+        nonlocal next_free
+        while next_free < len(pool) and assigned[next_free]:
+            next_free += 1
+        return next_free if next_free < len(pool) else None
+
+    def next_peer(numel: int) -> int | None:
+        group = by_size[numel]
+        while size_cursor[numel] < len(group) and assigned[group[size_cursor[numel]]]:
+            size_cursor[numel] += 1
+        return group[size_cursor[numel]] if size_cursor[numel] < len(group) else None
+
+    def take(i: int, shard: list) -> None:
+        assigned[i] = True
+        shard.append((pool[i].name, pool[i].numel))
+
+    shards: list[list[tuple[str | None, int]]] = [[] for _ in range(dp)]
+    cursor = 0
+    while (seed := next_unassigned()) is not None:
+        slot_numel = pool[seed].numel
+        take(seed, shards[0])
+        for k in range(1, dp):
+            peer = next_peer(slot_numel)
+            if peer is not None:
+                take(peer, shards[k])
+                continue
+            filled = 0  # greedy fill in pool order; stop at the first that does not fit
+            while (c := next_unassigned()) is not None:
+                if pad_param_start(filled) + pool[c].numel > slot_numel:
+                    break
+                take(c, shards[k])
+                filled = pad_param_start(filled) + pool[c].numel
+            if slot_numel - pad_param_start(filled) > 0:
+                shards[k].append((None, slot_numel - pad_param_start(filled)))
+        cursor = pad_param_start(cursor) + slot_numel
+        if bucket_size is not None and dp * pad_to_divisor(cursor, writer.divisor) >= bucket_size:
+            writer.write(shards, cursor)
+            shards, cursor = [[] for _ in range(dp)], 0
+    if cursor:
+        writer.write(shards, cursor)
+
+
+_POLICY_FUNCTIONS = {
+    "ns_cost": _layout_ns_cost,
+    "lpt": _layout_lpt,
+    "size_matching": _layout_size_matching,
+}
+
+
+def _check_specs(specs: Sequence[ParamSpec], dp: int, bucket_size: int | None, where: str) -> None:
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"{where}: dp must be a positive integer; got {dp=}.")
+    if bucket_size is not None and (
+        isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+    ):
+        raise ValueError(f"{where}: bucket_size must be None or a positive integer; got {bucket_size=}.")
+    seen: set[str] = set()
+    for spec in specs:
+        if not isinstance(spec, ParamSpec):
+            raise TypeError(f"{where}: parameters must be ParamSpec, but got {type(spec).__name__}.")
+        if spec.name in seen:
+            raise ValueError(f"{spec.name}: duplicate parameter name; names must be unique.")
+        seen.add(spec.name)
+
+
+def compute_layout(
+    specs: Sequence[ParamSpec],
+    dp: int,
+    *,
+    policy: LayoutPolicy = DEFAULT_POLICY,
+    bucket_size: int | None = None,
+    high_busbw: bool = False,
+    param_indices: Sequence[int] | None = None,
+    max_shard_numel: int | None = None,
+) -> PerBufferParamLayout:
+    """Compute a shard-aligned (layer-wise) layout of one buffer.
+
+    Args:
+      specs: The buffer's parameters in definition (forward) order.
+      dp: Number of shards per bucket (the data-parallel size of the buffer).
+      policy: One of :data:`POLICIES`.
+      bucket_size: Soft minimum bucket size in elements; ``None`` puts every
+        parameter but tied embeddings into one bucket.
+      high_busbw: Pad bucket ends to ``2**16``-multiples for NCCL bus bandwidth.
+      param_indices: Stored as the layout's ``param_indices``; defaults to
+        ``0..len(specs)-1``.
+      max_shard_numel: Optional hard limit on a shard's elements; a parameter
+        larger than it can never be placed.
+
+    Returns:
+      The layout; every parameter lies wholly inside one shard.
+
+    Raises:
+      ValueError: unknown policy, ``dp < 1``, duplicate names, a bad
+        ``bucket_size``, or a parameter larger than ``max_shard_numel``.
+    """
+    if policy not in _POLICY_FUNCTIONS:
+        raise ValueError(f"compute_layout: policy must be one of {POLICIES}; got {policy=}.")
+    _check_specs(specs, dp, bucket_size, "compute_layout")
+    if max_shard_numel is not None:
+        for spec in specs:
+            if spec.numel > max_shard_numel:
+                raise ValueError(
+                    f"{spec.name}: {spec.numel} elements exceed max_shard_numel={max_shard_numel}; "
+                    "a parameter must fit whole inside one shard."
+                )
+    writer = _BucketWriter(dp, high_busbw)
+    _POLICY_FUNCTIONS[policy](list(specs), dp, bucket_size, writer)
+    indices = range(len(specs)) if param_indices is None else param_indices
+    return writer.finish(specs, indices)
+
+
+def compute_distributed_optimizer_layout(
+    specs: Sequence[ParamSpec],
+    dp: int,
+    *,
+    bucket_size: int | None = None,
+    high_busbw: bool = False,
+    param_indices: Sequence[int] | None = None,
+) -> PerBufferParamLayout:
+    """Compute Megatron's byte-level distributed-optimizer layout of an elementwise buffer.
+
+    Parameters are packed back to back in backprop order (64-aligned); a bucket
+    closes once it reaches ``bucket_size`` elements or after a tied embedding
+    (which also starts a fresh bucket), and its end is padded to a multiple of
+    ``lcm(dp, 128)``. Shards are plain ``1/dp`` slices of a bucket, so a
+    parameter may straddle two ranks; that is fine for elementwise optimizers.
+
+    Args and Raises: as :func:`compute_layout`, without ``policy``.
+    """
+    _check_specs(specs, dp, bucket_size, "compute_distributed_optimizer_layout")
+    index_map: dict[str, tuple[int, int, int]] = {}
+    buckets: list[tuple[int, int]] = []
+    unpadded: list[int] = []
+    bucket_start = start = end = 0
+    in_bucket = 0
+
+    def close(at: int) -> None:
+        nonlocal bucket_start, start, in_bucket
+        unpadded.append(at - bucket_start)
+        bucket_end = pad_bucket_end(at, dp, high_busbw)
+        buckets.append((bucket_start, bucket_end))
+        bucket_start = start = bucket_end
+        in_bucket = 0
+
+    for spec in reversed(specs):
+        start = pad_param_start(start)
+        if spec.is_shared_embedding and in_bucket:
+            close(start)
+        end = start + spec.numel
+        index_map[spec.name] = (start, end, len(buckets))
+        in_bucket += 1
+        if spec.is_shared_embedding or (bucket_size is not None and end - bucket_start >= bucket_size):
+            close(end)
+        else:
+            start = end
+    if in_bucket:
+        close(end)
+    order = {spec.name: i for i, spec in enumerate(specs)}
+    return PerBufferParamLayout(
+        param_index_map=dict(sorted(index_map.items(), key=lambda kv: order[kv[0]])),
+        bucket_indices=tuple(buckets),
+        per_bucket_numel_unpadded=tuple(unpadded),
+        param_indices=tuple(range(len(specs)) if param_indices is None else param_indices),
+        num_shards=dp,
+        is_layer_wise=False,
+    )
+
+
+def buffer_key_of(spec: ParamSpec, *, grad_reduce_in_fp32: bool = True) -> BufferKey:
+    """Return the buffer a parameter belongs to (Megatron's buffer grouping)."""
+    return BufferKey(
+        param_dtype=spec.dtype,
+        grad_dtype="float32" if grad_reduce_in_fp32 else spec.dtype,
+        is_expert_parallel=spec.is_expert,
+        is_layer_wise=spec.is_muon,
+    )
+
+
+def compute_full_param_layout(
+    specs: Sequence[ParamSpec],
+    dp: int,
+    *,
+    policy: LayoutPolicy = DEFAULT_POLICY,
+    bucket_size: int | None = None,
+    high_busbw: bool = False,
+    expert_dp: int | None = None,
+    grad_reduce_in_fp32: bool = True,
+) -> FullParamLayout:
+    """Group parameters into buffers by :class:`BufferKey` and lay each out.
+
+    Keys appear in first-appearance order over ``specs`` (definition order).
+    Muon buffers get the layer-wise ``policy``; elementwise buffers the
+    distributed-optimizer layout. Expert buffers are laid out over ``expert_dp``
+    shards (``dp`` when ``None``).
+
+    Args:
+      specs: All parameters of the model, in definition order.
+      dp: Data-parallel size of dense buffers.
+      policy: Layer-wise policy, one of :data:`POLICIES`.
+      bucket_size: Bucket size in elements, or ``None`` for one bucket per buffer.
+      high_busbw: Pad bucket ends for high NCCL bus bandwidth.
+      expert_dp: Data-parallel size seen by expert parameters.
+      grad_reduce_in_fp32: Gradients are reduced in fp32 (sets ``grad_dtype``).
+
+    Returns:
+      A :class:`FullParamLayout`.
+    """
+    if policy not in _POLICY_FUNCTIONS:
+        raise ValueError(f"compute_full_param_layout: policy must be one of {POLICIES}; got {policy=}.")
+    _check_specs(specs, dp, bucket_size, "compute_full_param_layout")
+    if expert_dp is not None:
+        _check_specs((), expert_dp, None, "compute_full_param_layout(expert_dp)")
+    groups: dict[BufferKey, list[ParamSpec]] = {}
+    for spec in specs:
+        groups.setdefault(buffer_key_of(spec, grad_reduce_in_fp32=grad_reduce_in_fp32), []).append(spec)
+    layouts = {}
+    for key, members in groups.items():
+        size = expert_dp if key.is_expert_parallel and expert_dp is not None else dp
+        if key.is_layer_wise:
+            layouts[key] = compute_layout(
+                members, size, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw
+            )
+        else:
+            layouts[key] = compute_distributed_optimizer_layout(
+                members, size, bucket_size=bucket_size, high_busbw=high_busbw
+            )
+    return FullParamLayout(layouts)
+
+
+def ping_pong_ownership(
+    groups: Sequence[tuple[bool, Sequence[ParamSpec]]],
+    dp: int,
+    expert_dp: int = 1,
+) -> tuple[list[list[str]], list[list[str]] | None]:
+    """Megatron's legacy ownership when no layout is used (gradients all-reduced).
+
+    All parameters of all optimizer groups are stable-sorted by element count
+    and dealt out along ``0, 1, ..., dp-1, dp-1, ..., 0`` (repeating); dense and
+    expert parameters use separate cursors and rank spaces.
+
+    Args:
+      groups: ``(is_expert_parallel, params)`` per optimizer parameter group, in
+        optimizer order.
+      dp: Dense data-parallel size.
+      expert_dp: Expert data-parallel size.
+
+    Returns:
+      ``(dense, expert)``: parameter names per rank; ``expert`` is ``None``
+      when ``expert_dp == 1`` or expert rank 0 owns nothing.
+    """
+    _check_specs((), dp, None, "ping_pong_ownership")
+    _check_specs((), expert_dp, None, "ping_pong_ownership(expert_dp)")
+    items = [(spec, is_expert) for is_expert, params in groups for spec in params]
+    items.sort(key=lambda item: item[0].numel)
+    dense: list[list[str]] = [[] for _ in range(dp)]
+    expert: list[list[str]] = [[] for _ in range(expert_dp)]
+    counts = {False: 0, True: 0}
+    for spec, is_expert in items:
+        ranks = expert if is_expert else dense
+        size = len(ranks)
+        i = counts[is_expert] % (2 * size)
+        ranks[i if i < size else 2 * size - 1 - i].append(spec.name)
+        counts[is_expert] += 1
+    if expert_dp == 1 or not expert[0]:
+        return dense, None
+    return dense, expert

@@ -1,0 +1,221 @@
+"""Routing: which parameters are Muon matrices, tied or expert, by pytree path (pure Python).
+
+Leaves arrive as ``(key_path, shape, dtype)`` records (see
+:func:`lwjax.buffers.leaf_records`, which flattens any pytree: plain dicts,
+flax nnx ``State``, flax linen ``params``). Names come from the key path,
+joined with ``/``; a trailing ``value`` attribute (flax nnx variables) is
+dropped, so an nnx kernel reads ``blocks/0/mlp/up/kernel``.
+
+Default rule (Megatron's): a parameter is a Muon matrix iff it is 2-D and not
+an embedding or output projection (names matching :data:`EMBEDDING_OR_OUTPUT`).
+Everything else (biases, norms, scalars, embeddings, the head) goes to AdamW.
+
+A leaf may *stack* independent parameters along leading axes: a scan-over-layers
+kernel ``[L, m, n]`` declared with ``stacked={"blocks/*": 1}`` is ``L``
+matrices, named ``"<path>[i]"``, each owned and orthogonalised on its own.
+
+Rules are given as ``{glob_pattern: value}`` mappings (first match wins,
+patterns match the whole name with :func:`fnmatch.fnmatchcase`) or as callables
+``rule(name, shape) -> value or None`` (``None`` falls back to the default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from lwjax.layout import ParamSpec
+
+T = TypeVar("T")
+Rule = Mapping[str, T] | Callable[[str, tuple[int, ...]], T | None] | None
+
+EMBEDDING_OR_OUTPUT = re.compile(r"(^|/)([^/]*embed[^/]*|wte|wpe|lm_head|head|output_layer)(/|$)")
+
+
+def path_name(key_path: Iterable[Any]) -> str:
+    """Join a pytree key path into a ``/``-separated name.
+
+    Accepts jax key entries (``DictKey``, ``GetAttrKey``, ``SequenceKey``,
+    ``FlattenedIndexKey``) or plain strings and ints. A final ``.value``
+    attribute (flax nnx variables) is dropped.
+    """
+    parts = []
+    entries = list(key_path)
+    for i, entry in enumerate(entries):
+        if hasattr(entry, "name") and not isinstance(entry, str):  # attribute access
+            if i == len(entries) - 1 and entry.name == "value" and i > 0:
+                continue
+            parts.append(str(entry.name))
+        elif hasattr(entry, "key") and not isinstance(entry, str):
+            parts.append(str(entry.key))
+        elif hasattr(entry, "idx") and not isinstance(entry, str):
+            parts.append(str(entry.idx))
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Whether a parameter name looks like an embedding table or output projection."""
+    return EMBEDDING_OR_OUTPUT.search(name.lower()) is not None
+
+
+def _apply_rule(rule: Rule, name: str, shape: tuple[int, ...], what: str):
+    """Value of ``rule`` for a parameter, or ``None`` when it does not decide."""
+    if rule is None:
+        return None
+    if callable(rule):
+        return rule(name, shape)
+    if isinstance(rule, Mapping):
+        for pattern, value in rule.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return value
+        return None
+    raise TypeError(f"routing: {what} must be a mapping of glob patterns or a callable, but got {type(rule).__name__}.")
+
+
+def _as_flag_rule(rule) -> Rule:
+    """Let flag rules also be given as a sequence of patterns (all mean True)."""
+    if isinstance(rule, str):
+        return {rule: True}
+    if isinstance(rule, Sequence):
+        return dict.fromkeys(rule, True)
+    return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRoute:
+    """How one pytree leaf maps onto layout parameters.
+
+    Attributes:
+      path: The leaf's name (``/``-joined key path).
+      shape: The leaf's full shape.
+      dtype: The leaf's dtype name.
+      stack_dims: Leading axes that index independent parameters (0: the leaf
+        is one parameter; 1: ``[L, ...]`` is ``L`` parameters).
+      is_muon: The parameters are Muon matrices.
+      is_shared_embedding: A tied embedding (isolated bucket, never Muon).
+      is_expert: Expert-parallel parameters.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    stack_dims: int = 0
+    is_muon: bool = False
+    is_shared_embedding: bool = False
+    is_expert: bool = False
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        """Shape of each stacked parameter."""
+        return self.shape[self.stack_dims :]
+
+    @property
+    def num_params(self) -> int:
+        """How many parameters the leaf stacks."""
+        return math.prod(self.shape[: self.stack_dims])
+
+    def param_names(self) -> tuple[str, ...]:
+        """Names of the stacked parameters, in row-major stack order."""
+        if self.stack_dims == 0:
+            return (self.path,)
+        names = []
+        for flat in range(self.num_params):
+            index, rest = [], flat
+            for size in reversed(self.shape[: self.stack_dims]):
+                index.append(rest % size)
+                rest //= size
+            names.append(f"{self.path}[{','.join(map(str, reversed(index)))}]")
+        return tuple(names)
+
+    def specs(self) -> tuple[ParamSpec, ...]:
+        """One :class:`ParamSpec` per stacked parameter."""
+        return tuple(
+            ParamSpec(
+                name=name,
+                shape=self.param_shape,
+                dtype=self.dtype,
+                is_muon=self.is_muon,
+                is_shared_embedding=self.is_shared_embedding,
+                is_expert=self.is_expert,
+            )
+            for name in self.param_names()
+        )
+
+
+def route_leaves(
+    leaves: Iterable[tuple[Any, Sequence[int], Any]],
+    *,
+    muon: Rule[bool] = None,
+    stacked: Rule[int] = None,
+    tied: Rule[bool] | Sequence[str] = None,
+    expert: Rule[bool] | Sequence[str] = None,
+) -> tuple[LeafRoute, ...]:
+    """Decide, per leaf, its name, stacking and whether it is Muon, tied or expert.
+
+    Args:
+      leaves: ``(key_path, shape, dtype)`` per leaf in pytree flatten order;
+        ``key_path`` is a jax key path, a tuple of strings/ints, or a name.
+      muon: Overrides the default Muon rule (2-D and not embedding/output).
+      stacked: Number of leading stack axes per leaf (default 0).
+      tied: Tied embeddings; never Muon.
+      expert: Expert-parallel leaves.
+
+    Returns:
+      One :class:`LeafRoute` per leaf, in input order.
+
+    Raises:
+      ValueError: duplicate names, non-floating dtypes, a Muon parameter that
+        is not 2-D, or a stack count out of range.
+    """
+    tied, expert = _as_flag_rule(tied), _as_flag_rule(expert)
+    routes, seen = [], set()
+    for key_path, shape, dtype in leaves:
+        name = key_path if isinstance(key_path, str) else path_name(key_path)
+        shape = tuple(int(d) for d in shape)
+        dtype_name = str(getattr(dtype, "name", dtype))
+        if name in seen:
+            raise ValueError(f"{name}: two leaves share this name; leaf names must be unique.")
+        seen.add(name)
+        if not (dtype_name.startswith("float") or dtype_name.startswith("bfloat")):
+            raise ValueError(
+                f"{name}: parameters must be floating point; got dtype={dtype_name}. "
+                "Keep integer state out of the parameter tree."
+            )
+        stack = _apply_rule(stacked, name, shape, "stacked") or 0
+        if not 0 <= stack < max(len(shape), 1):
+            raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
+        param_shape = shape[stack:]
+        is_tied = bool(_apply_rule(tied, name, shape, "tied"))
+        is_muon = _apply_rule(muon, name, param_shape, "muon")
+        if is_muon is None:
+            is_muon = len(param_shape) == 2 and not is_tied and not is_embedding_or_output(name)
+        if is_muon and len(param_shape) != 2:
+            raise ValueError(
+                f"{name}: a Muon parameter must be a 2-D matrix; got {param_shape=} after "
+                f"{stack} stacked axes. Declare stacking with stacked=... or route it to AdamW with muon=..."
+            )
+        if is_muon and is_tied:
+            raise ValueError(f"{name}: a tied embedding is never a Muon matrix; route it to AdamW.")
+        routes.append(
+            LeafRoute(
+                path=name,
+                shape=shape,
+                dtype=dtype_name,
+                stack_dims=stack,
+                is_muon=bool(is_muon),
+                is_shared_embedding=is_tied,
+                is_expert=bool(_apply_rule(expert, name, shape, "expert")),
+            )
+        )
+    return tuple(routes)
+
+
+def param_specs(routes: Iterable[LeafRoute]) -> tuple[ParamSpec, ...]:
+    """All layout parameters of the routed leaves, in definition order."""
+    return tuple(spec for route in routes for spec in route.specs())
