@@ -100,6 +100,8 @@ class LeafRoute:
       is_muon: The parameters are Muon matrices.
       is_shared_embedding: A tied embedding (isolated bucket, never Muon).
       is_expert: Expert-parallel parameters.
+      qkv_split_shapes: For a fused QKV Muon matrix, the output rows of q, k
+        and v per query group (e.g. ``(128, 64, 64)``); ``None`` otherwise.
     """
 
     path: str
@@ -109,6 +111,7 @@ class LeafRoute:
     is_muon: bool = False
     is_shared_embedding: bool = False
     is_expert: bool = False
+    qkv_split_shapes: tuple[int, ...] | None = None
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -155,6 +158,7 @@ def route_leaves(
     stacked: Rule[int] = None,
     tied: Rule[bool] | Sequence[str] = None,
     expert: Rule[bool] | Sequence[str] = None,
+    qkv_split: Rule[tuple[int, ...]] = None,
 ) -> tuple[LeafRoute, ...]:
     """Decide, per leaf, its name, stacking and whether it is Muon, tied or expert.
 
@@ -165,6 +169,8 @@ def route_leaves(
       stacked: Number of leading stack axes per leaf (default 0).
       tied: Tied embeddings; never Muon.
       expert: Expert-parallel leaves.
+      qkv_split: Per fused QKV Muon matrix, the q, k, v output rows of one
+        query group; Muon orthogonalises the three blocks separately.
 
     Returns:
       One :class:`LeafRoute` per leaf, in input order.
@@ -202,6 +208,13 @@ def route_leaves(
             )
         if is_muon and is_tied:
             raise ValueError(f"{name}: a tied embedding is never a Muon matrix; route it to AdamW.")
+        split = _apply_rule(qkv_split, name, param_shape, "qkv_split")
+        if split is not None:
+            split = tuple(int(x) for x in split)
+            if not is_muon or not split or any(x < 1 for x in split):
+                raise ValueError(
+                    f"{name}: qkv_split needs a Muon matrix and positive row counts; got {split=}, {is_muon=}."
+                )
         routes.append(
             LeafRoute(
                 path=name,
@@ -211,6 +224,7 @@ def route_leaves(
                 is_muon=bool(is_muon),
                 is_shared_embedding=is_tied,
                 is_expert=bool(_apply_rule(expert, name, shape, "expert")),
+                qkv_split_shapes=split,
             )
         )
     return tuple(routes)
