@@ -1,0 +1,441 @@
+"""Muon's per-matrix math, as Megatron-Core runs it, in batched ``jax.numpy``.
+
+Only arithmetic lives here: Newton–Schulz, the scale modes, the QKV split and one
+Muon step on a stack of whole matrices. Ownership and collectives belong to the
+layer-wise optimizer, which gathers the matrices a rank owns and calls
+:func:`muon_update` on them.
+
+The numerics follow ``emerging_optimizers`` 0.3.0 (behind Megatron's
+``TensorParallelMuon`` at TP=1): the same coefficient tables and schedules,
+auto-transpose, Frobenius normalisation and step order. Arrays are ``[..., m, n]``
+with any leading batch dims, handled by batched matmuls. Options are static Python
+values, checked before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import types
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
+ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
+Precision = Literal["highest", "high", "medium"]
+
+# (a, b, c) per Newton–Schulz step, as tabulated in emerging_optimizers 0.3.0.
+COEFFICIENT_SETS = types.MappingProxyType({
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": (
+        (4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (
+        (8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184), (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853), (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750),
+    ),
+    "cans": (
+        (8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162),
+    ),
+    "aol": (
+        (4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+})
+# How a table is walked when num_ns_steps exceeds its length: "cycle" wraps around,
+# "repeat_last" keeps reusing the final triple.
+_ITERATION_MODES = types.MappingProxyType(
+    {"simple": "cycle", "quintic": "cycle", "polar_express": "repeat_last", "cans": "repeat_last", "aol": "cycle"}
+)
+COEFFICIENT_TYPES: tuple[str, ...] = tuple(COEFFICIENT_SETS)
+SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
+# Megatron's --muon-fp32-matmul-prec values (torch.set_float32_matmul_precision).
+PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
+
+# "high" is TF32-class: XLA's default precision for fp32 dots (TF32 on Ampere+,
+# plain fp32 on CPU). "medium" feeds bf16 operands, for which DEFAULT is native.
+_LAX_PRECISION = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.DEFAULT, "medium": lax.Precision.DEFAULT}
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices``; ``field`` is the display path."""
+    if not isinstance(value, str) or value not in choices:
+        name = field.replace(".", " ").split()[-1]
+        raise ValueError(f"{field} must be one of {choices}; got {name}={value!r}.")
+
+
+def _check_num_ns_steps(field: str, value: object) -> None:
+    """Raise unless ``value`` is a Python int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an int, but got {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{field} must be at least 1; got num_ns_steps={value!r}.")
+
+
+def _check_matrix(where: str, name: str, x: jax.Array) -> None:
+    """Raise unless ``x`` is a floating array of rank >= 2."""
+    if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+        raise TypeError(f"{where}: {name} must be an array, but got {type(x).__name__}.")
+    if x.ndim < 2:
+        raise ValueError(f"{where}: {name} must have rank >= 2 ([..., m, n]); got {x.shape=}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{where}: {name} must have a floating dtype; got {x.dtype=}.")
+
+
+def _coefficient_schedule(coefficient_type: str, num_ns_steps: int) -> tuple[tuple[float, ...], ...]:
+    """Expand a named coefficient table to one (a, b, c) triple per step."""
+    table = COEFFICIENT_SETS[coefficient_type]
+    if _ITERATION_MODES[coefficient_type] == "cycle":
+        return tuple(table[i % len(table)] for i in range(num_ns_steps))
+    return tuple(table[min(i, len(table) - 1)] for i in range(num_ns_steps))
+
+
+def _ns_step(x: jax.Array, a: float, b: float, c: float, *, precision, acc_dtype) -> jax.Array:
+    """Apply one quintic step; products accumulate in ``acc_dtype``, results round to ``x.dtype``."""
+    matmul = functools.partial(jnp.matmul, precision=precision, preferred_element_type=acc_dtype)
+    gram = matmul(x, jnp.swapaxes(x, -1, -2)).astype(x.dtype)
+    poly = (b * gram.astype(acc_dtype) + c * matmul(gram, gram)).astype(x.dtype)
+    return (a * x.astype(acc_dtype) + matmul(poly, x)).astype(x.dtype)
+
+
+def newton_schulz(
+    x: jax.Array,
+    coefficient_type: CoefficientType = "quintic",
+    num_ns_steps: int = 5,
+    *,
+    eps: float = 1e-7,
+    precision: Precision = "highest",
+) -> jax.Array:
+    r"""Approximately orthogonalise each matrix of a stack by Newton–Schulz iteration.
+
+    Each ``[m, n]`` matrix is transposed if tall (so the Gram matrix is the small one),
+    scaled to unit Frobenius norm, then pushed ``num_ns_steps`` times through an odd quintic:
+
+    .. math::
+
+      X_0 = \frac{x}{\max(\lVert x \rVert_F, \epsilon)}, \qquad
+      A_k = X_k X_k^\top, \qquad
+      X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2)\, X_k,
+
+    where :math:`\epsilon` is ``eps`` and :math:`(a_k, b_k, c_k)` walk
+    ``COEFFICIENT_SETS[coefficient_type]``. The coefficients favour speed over
+    convergence: singular values land near 1, not at 1, which Muon tolerates and which
+    saves steps. A zero matrix maps exactly to zero.
+
+    Args:
+      x: Array ``[..., m, n]`` of a floating dtype (narrower than fp32 is computed in fp32).
+      coefficient_type: One of ``COEFFICIENT_TYPES``.
+      num_ns_steps: Number of iterations, at least 1.
+      eps: Floor on the Frobenius norm used for normalisation.
+      precision: One of ``PRECISIONS``. ``"highest"``: full fp32 (or wider) matmuls.
+        ``"high"``: XLA's default fp32 dots (TF32 on recent GPUs, fp32 on CPU).
+        ``"medium"``: the normalised matrix and every intermediate are rounded to bf16,
+        with products and linear combinations accumulated in fp32.
+
+    Returns:
+      Array of the same shape and dtype as ``x``.
+
+    Raises:
+      ValueError: If ``x`` has rank < 2 or an option is outside its allowed set.
+      TypeError: If ``x`` is not floating or ``num_ns_steps`` is not an int.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> newton_schulz(jnp.ones((2, 3, 5))).shape
+      (2, 3, 5)
+
+    References:
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024
+    """
+    _check_matrix("newton_schulz", "x", x)
+    _check_choice("newton_schulz: coefficient_type", coefficient_type, COEFFICIENT_TYPES)
+    _check_num_ns_steps("newton_schulz: num_ns_steps", num_ns_steps)
+    _check_choice("newton_schulz: precision", precision, PRECISIONS)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"newton_schulz: eps must be a positive number; got {eps=}.")
+
+    out_dtype = x.dtype
+    acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
+    store_dtype = jnp.bfloat16 if precision == "medium" else acc_dtype
+    tall = x.shape[-2] > x.shape[-1]
+
+    y = x.astype(acc_dtype)
+    if tall:
+        y = jnp.swapaxes(y, -1, -2)
+    norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    y = (y / jnp.maximum(norm, eps)).astype(store_dtype)
+    for a, b, c in _coefficient_schedule(coefficient_type, num_ns_steps):
+        y = _ns_step(y, a, b, c, precision=_LAX_PRECISION[precision], acc_dtype=acc_dtype)
+    if tall:
+        y = jnp.swapaxes(y, -1, -2)
+    return y.astype(out_dtype)
+
+
+def _spectral_scale(size_out: int, size_in: int) -> float:
+    """sqrt(max(m, n)); Jordan / Kimi, https://arxiv.org/abs/2502.16982."""
+    return math.sqrt(max(size_out, size_in))
+
+
+def _unit_rms_norm_scale(size_out: int, size_in: int) -> float:
+    """sqrt(m / n); Scion, https://arxiv.org/abs/2502.07529."""
+    return math.sqrt(size_out / size_in)
+
+
+def _shape_scaling_scale(size_out: int, size_in: int) -> float:
+    """sqrt(max(1, m / n)); Jordan, https://kellerjordan.github.io/posts/muon/."""
+    return math.sqrt(max(1.0, size_out / size_in))
+
+
+_SCALE_FNS = {"spectral": _spectral_scale, "unit_rms_norm": _unit_rms_norm_scale,
+              "shape_scaling": _shape_scaling_scale}
+
+
+def get_muon_scale_factor(size_out: int, size_in: int, mode: ScaleMode = "spectral") -> float:
+    r"""Return the factor that multiplies an orthogonalised ``[size_out, size_in]`` update.
+
+    With :math:`m` = ``size_out`` (rows, output features) and :math:`n` = ``size_in``:
+
+    .. math::
+
+      s_{\text{spectral}} = \sqrt{\max(m, n)}, \quad
+      s_{\text{unit\_rms\_norm}} = \sqrt{m / n}, \quad
+      s_{\text{shape\_scaling}} = \sqrt{\max(1, m / n)}.
+
+    An orthogonal :math:`m \times n` matrix has RMS :math:`1/\sqrt{\max(m, n)}`, so
+    ``"spectral"`` gives updates of RMS about 1 before ``extra_scale_factor``.
+
+    Args:
+      size_out: Rows ``m``, a positive int.
+      size_in: Columns ``n``, a positive int.
+      mode: One of ``SCALE_MODES``.
+
+    Returns:
+      The scale as a Python float.
+    """
+    for name, size in (("size_out", size_out), ("size_in", size_in)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"get_muon_scale_factor: {name} must be a positive int; got {name}={size!r}.")
+    _check_choice("get_muon_scale_factor: mode", mode, SCALE_MODES)
+    return _SCALE_FNS[mode](size_out, size_in)
+
+
+def _check_qkv_split(qkv_split_shapes: object, rows: int) -> tuple[int, ...]:
+    """Validate a QKV split against the row count and return it as a tuple."""
+    where = "orthogonalize: qkv_split_shapes"
+    if not isinstance(qkv_split_shapes, Sequence) or isinstance(qkv_split_shapes, str):
+        raise TypeError(f"{where} must be a sequence of ints, but got {type(qkv_split_shapes).__name__}.")
+    split = tuple(qkv_split_shapes)
+    if not split or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in split):
+        raise ValueError(f"{where} must be non-empty positive ints; got {qkv_split_shapes=}.")
+    if rows % sum(split):
+        raise ValueError(
+            f"{where}: the row count must be divisible by sum(qkv_split_shapes)={sum(split)}; "
+            f"got {rows=}. Pass qkv_split_shapes=None for non-QKV matrices."
+        )
+    return split
+
+
+def orthogonalize(
+    update: jax.Array,
+    *,
+    coefficient_type: CoefficientType = "quintic",
+    num_ns_steps: int = 5,
+    scale_mode: ScaleMode = "spectral",
+    extra_scale_factor: float = 1.0,
+    precision: Precision = "medium",
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> jax.Array:
+    r"""Turn a (momentum) update into Muon's scaled, orthogonalised direction.
+
+    .. math::
+
+      O = \mathrm{NS}(U) \cdot s(m, n) \cdot \gamma,
+
+    with :math:`\mathrm{NS}` from :func:`newton_schulz`, :math:`s` from
+    :func:`get_muon_scale_factor` and :math:`\gamma` = ``extra_scale_factor``.
+    With ``qkv_split_shapes=(q, k, v)``, a fused QKV weight's rows are read as
+    ``g = m / (q + k + v)`` interleaved groups; the ``g*q`` query rows, ``g*k`` key
+    rows and ``g*v`` value rows each form a matrix that is orthogonalised and scaled
+    with its own shape, then the rows return to their places. Any number of pieces
+    works (``(q, q, k, v)`` with an output gate).
+
+    Args:
+      update: Array ``[..., m, n]``; leading dims are a batch.
+      coefficient_type: See :func:`newton_schulz`.
+      num_ns_steps: See :func:`newton_schulz`.
+      scale_mode: One of ``SCALE_MODES``.
+      extra_scale_factor: Extra multiplier, e.g. 0.2 to match AdamW's update RMS.
+      precision: See :func:`newton_schulz`; Megatron's default is ``"medium"``.
+      qkv_split_shapes: Rows per query group of each piece, or ``None`` to treat
+        the matrix as a whole.
+
+    Returns:
+      Array with the shape and dtype of ``update``.
+
+    Raises:
+      ValueError: If an option is invalid or ``m`` is not divisible by the split's sum.
+      TypeError: If ``update`` is not floating or ``qkv_split_shapes`` is not a sequence.
+    """
+    _check_matrix("orthogonalize", "update", update)
+    _check_choice("orthogonalize: scale_mode", scale_mode, SCALE_MODES)
+
+    def scaled(u: jax.Array) -> jax.Array:
+        out = newton_schulz(u, coefficient_type, num_ns_steps, precision=precision)
+        return out * get_muon_scale_factor(*u.shape[-2:], scale_mode) * extra_scale_factor
+
+    if qkv_split_shapes is None:
+        return scaled(update)
+    *batch, m, n = update.shape
+    split = _check_qkv_split(qkv_split_shapes, m)
+    groups = m // sum(split)
+    grouped = update.reshape(*batch, groups, sum(split), n)
+    pieces, start = [], 0
+    for rows in split:
+        piece = grouped[..., start:start + rows, :].reshape(*batch, groups * rows, n)
+        pieces.append(scaled(piece).reshape(*batch, groups, rows, n))
+        start += rows
+    return jnp.concatenate(pieces, axis=-2).reshape(update.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    r"""Static Muon options, with Megatron's ``OptimizerConfig`` defaults.
+
+    Learning rate and weight decay are not here: they follow a schedule and are
+    passed to :func:`muon_update` on every call.
+
+    Attributes:
+      momentum: EMA coefficient :math:`\beta` of the momentum buffer, in [0, 1).
+      nesterov: Whether to orthogonalise the Nesterov look-ahead instead of the buffer.
+      coefficient_type: Newton–Schulz table, one of ``COEFFICIENT_TYPES``.
+      num_ns_steps: Newton–Schulz iterations, at least 1.
+      scale_mode: Update scale, one of ``SCALE_MODES``.
+      extra_scale_factor: Extra multiplier on the orthogonalised update.
+      fp32_matmul_prec: Newton–Schulz matmul precision, one of ``PRECISIONS``.
+      split_qkv: Whether fused QKV weights are orthogonalised per Q/K/V piece
+        (only where the caller passes ``qkv_split_shapes``).
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = False
+    coefficient_type: CoefficientType = "quintic"
+    num_ns_steps: int = 5
+    scale_mode: ScaleMode = "spectral"
+    extra_scale_factor: float = 1.0
+    fp32_matmul_prec: Precision = "medium"
+    split_qkv: bool = True
+
+    def __post_init__(self):
+        for name, kind, label in (("momentum", numbers.Real, "real number"), ("nesterov", bool, "bool"),
+                                  ("extra_scale_factor", numbers.Real, "real number"), ("split_qkv", bool, "bool")):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise TypeError(f"MuonConfig.{name} must be a {label}, but got {type(value).__name__}.")
+        if not 0.0 <= self.momentum < 1.0:  # also rejects NaN
+            raise ValueError(f"MuonConfig.momentum must be in [0, 1); got momentum={self.momentum!r}.")
+        if not math.isfinite(self.extra_scale_factor):
+            raise ValueError(f"MuonConfig.extra_scale_factor must be finite; got extra_scale_factor={self.extra_scale_factor!r}.")
+        _check_choice("MuonConfig.coefficient_type", self.coefficient_type, COEFFICIENT_TYPES)
+        _check_choice("MuonConfig.scale_mode", self.scale_mode, SCALE_MODES)
+        _check_choice("MuonConfig.fp32_matmul_prec", self.fp32_matmul_prec, PRECISIONS)
+        _check_num_ns_steps("MuonConfig.num_ns_steps", self.num_ns_steps)
+
+
+def _lerp(start: jax.Array, end: jax.Array, weight: float) -> jax.Array:
+    """Interpolate with ATen's two-sided formula, so rounding matches ``torch.lerp``."""
+    if abs(weight) < 0.5:
+        return start + weight * (end - start)
+    return end - (end - start) * (1.0 - weight)
+
+
+def muon_update(
+    param: jax.Array,
+    grad: jax.Array,
+    momentum: jax.Array,
+    *,
+    learning_rate: float | jax.Array,
+    weight_decay: float | jax.Array,
+    config: MuonConfig,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Apply one Muon step to a stack of whole matrices.
+
+    In Megatron's order, with :math:`\eta` = ``learning_rate``, :math:`\lambda` =
+    ``weight_decay`` and :math:`\beta` = ``config.momentum``:
+
+    .. math::
+
+      P &\leftarrow P - \eta \lambda P \\
+      M &\leftarrow M + (1 - \beta)(G - M) \\
+      U &= G + \beta (M - G) \text{ if nesterov, else } M \\
+      P &\leftarrow P - \eta \, \mathrm{orthogonalize}(U)
+
+    Weight decay is decoupled and comes first. Since Newton–Schulz normalises its
+    input, the first step from zero momentum does not depend on :math:`\beta` or Nesterov.
+
+    Args:
+      param: fp32 master weights ``[..., m, n]``; leading dims are a batch.
+      grad: Gradient with the shape of ``param``.
+      momentum: Momentum buffer with the shape of ``param`` (zeros at the start).
+      learning_rate: Scalar, Python float or traced.
+      weight_decay: Scalar, Python float or traced; 0 disables decay.
+      config: The static options.
+      qkv_split_shapes: Per-group Q/K/V row counts for a fused QKV weight, used only
+        when ``config.split_qkv`` is true; ``None`` for every other matrix.
+
+    Returns:
+      ``(new_param, new_momentum)``, shapes and dtypes as ``param`` and ``momentum``.
+
+    Raises:
+      TypeError: If ``config`` is not a :class:`MuonConfig` or an array is not floating.
+      ValueError: If the three arrays differ in shape or the split does not fit.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> p, g = jnp.ones((2, 4, 6)), jnp.arange(48.0).reshape(2, 4, 6)
+      >>> p1, m1 = muon_update(p, g, jnp.zeros_like(p), learning_rate=0.02,
+      ...                      weight_decay=0.01, config=MuonConfig())
+      >>> p1.shape, bool(jnp.allclose(m1, 0.05 * g))
+      ((2, 4, 6), True)
+    """
+    if not isinstance(config, MuonConfig):
+        raise TypeError(f"muon_update: config must be a MuonConfig, but got {type(config).__name__}.")
+    for name, arr in (("param", param), ("grad", grad), ("momentum", momentum)):
+        _check_matrix("muon_update", name, arr)
+    if not param.shape == grad.shape == momentum.shape:
+        raise ValueError(
+            "muon_update: param, grad and momentum must share a shape; "
+            f"got {param.shape=}, {grad.shape=}, {momentum.shape=}."
+        )
+    dtype = param.dtype
+
+    # 1. Decoupled weight decay (skipped when it is a literal zero, as Megatron does).
+    if not (isinstance(weight_decay, numbers.Real) and weight_decay == 0):
+        param = param - (learning_rate * weight_decay) * param
+    # 2. Momentum as an EMA of the gradient.
+    beta = config.momentum
+    momentum = _lerp(momentum, grad, 1.0 - beta)
+    # 3. Nesterov look-ahead, or the buffer itself.
+    update = _lerp(grad, momentum, beta) if config.nesterov else momentum
+    # 4. Orthogonalise and scale.
+    direction = orthogonalize(
+        update,
+        coefficient_type=config.coefficient_type,
+        num_ns_steps=config.num_ns_steps,
+        scale_mode=config.scale_mode,
+        extra_scale_factor=config.extra_scale_factor,
+        precision=config.fp32_matmul_prec,
+        qkv_split_shapes=qkv_split_shapes if config.split_qkv else None,
+    )
+    # 5. Apply.
+    return (param - learning_rate * direction).astype(dtype), momentum

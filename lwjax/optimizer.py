@@ -1,0 +1,355 @@
+"""The layer-wise distributed optimizer: ZeRO-1 communication, Muon on whole matrices.
+
+Who holds what. Parameters (in their compute dtype, e.g. bf16) are replicated
+on every device of the data-parallel axis. Everything else is split by
+:class:`~lwjax.buffers.ParamPlan` blocks: device ``r`` holds block ``r`` of
+every buffer, i.e. the fp32 master weights, Muon momentum and elementwise
+(AdamW) moments of exactly the parameters rank ``r`` owns. A Muon matrix is
+always owned whole, so Newton–Schulz runs locally on full matrices.
+
+One step (:func:`update`, inside ``shard_map`` over the dp axis):
+
+1. pack the device's local gradients into flat buffers (gradient dtype);
+2. ``psum_scatter``: rank ``r`` receives the dp-mean of its block;
+3. global gradient norm from one ``psum`` of per-block squared sums (each
+   element lives in exactly one block, so nothing is counted twice); clip with
+   :math:`c = \\min(1, \\text{clip} / (\\lVert g \\rVert + 10^{-6}))`; count zeros;
+4. update owned state: Muon on the owned matrices, batched per shape group;
+   the elementwise transform (Adam by default) plus decoupled weight decay on
+   the flat elementwise blocks. A non-finite norm skips this (state unchanged);
+5. cast masters to the parameter dtype and ``all_gather`` them back into the
+   replicated parameter pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwjax import muon as muon_lib
+from lwjax.buffers import BufferPlan, ParamPlan, check_tree, make_plan, pack, unpack
+from lwjax.policies import DEFAULT_POLICY, LayoutPolicy
+
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+CLIP_EPS = 1e-6
+
+
+class LayerwiseState(NamedTuple):
+    """State of :func:`layerwise_muon`; arrays only, sharded over the dp axis."""
+
+    count: jax.Array  # shape=(), int32: applied (not skipped) steps.
+    masters: tuple[jax.Array, ...]  # per buffer: fp32 master weights, global [dp * block].
+    momenta: tuple[jax.Array | None, ...]  # per buffer: Muon momentum (layer-wise buffers) or None.
+    elementwise: tuple[Any, ...]  # per buffer: elementwise optax state (other buffers) or None.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Options of :func:`layerwise_muon` that are not schedules or transforms.
+
+    Attributes:
+      weight_decay: Decoupled weight decay for Muon matrices and for
+        elementwise parameters with 2+ dims (Megatron's ``--weight-decay``);
+        biases, norms and other 1-D parameters get none.
+      clip_grad: Clip to this global L2 norm (``--clip-grad``); ``0`` or ``None`` disables.
+      grad_reduce_in_fp32: Reduce gradients in fp32 (Megatron's
+        ``--accumulate-allreduce-grads-in-fp32``); else in the parameter dtype.
+      master_dtype: Dtype of master weights and optimizer state.
+      matrix_convention: How 2-D parameters are stored: ``"in_out"`` (flax
+        kernels, ``x @ W``) or ``"out_in"`` (Megatron/torch weights). Muon's
+        scale modes and QKV split read rows as the output dimension.
+    """
+
+    weight_decay: float = 0.01
+    clip_grad: float | None = 1.0
+    grad_reduce_in_fp32: bool = True
+    master_dtype: str = "float32"
+    matrix_convention: str = "in_out"
+
+    def __post_init__(self):
+        if self.matrix_convention not in ("in_out", "out_in"):
+            raise ValueError(
+                f"OptimizerConfig.matrix_convention must be 'in_out' or 'out_in'; got {self.matrix_convention!r}."
+            )
+        if self.clip_grad is not None and self.clip_grad < 0:
+            raise ValueError(f"OptimizerConfig.clip_grad must be >= 0 or None; got {self.clip_grad!r}.")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0; got {self.weight_decay!r}.")
+
+
+class LayerwiseOptimizer(NamedTuple):
+    """A layer-wise distributed Muon optimizer: static plan plus pure functions.
+
+    Attributes:
+      plan: The static :class:`~lwjax.buffers.ParamPlan` (routing and layout).
+      mesh: The device mesh.
+      axis: Name of the data-parallel mesh axis.
+      init: ``params -> LayerwiseState`` (jitted; state sharded over ``axis``).
+      update: ``(grads, state, params) -> (params, state, metrics)``; call it
+        inside ``shard_map`` over ``axis`` with this device's local gradients.
+      state_specs: ``PartitionSpec`` pytree of the state, for ``shard_map``.
+    """
+
+    plan: ParamPlan
+    mesh: Mesh
+    axis: str
+    init: Callable
+    update: Callable
+    state_specs: LayerwiseState
+
+
+def _schedule(value: ScalarOrSchedule) -> Callable[[jax.Array], jax.Array]:
+    return value if callable(value) else (lambda count: jnp.asarray(value, jnp.float32))
+
+
+def _rank_table(rows, dtype=np.int32):
+    """A per-rank constant table; the caller indexes it with ``lax.axis_index``."""
+    return jnp.asarray(np.asarray(rows, dtype=dtype))
+
+
+def _rank_row(rows, rank, dtype=np.int32):
+    """Row ``rank`` of a per-rank table, static when every rank's row is the same."""
+    if all(tuple(r) == tuple(rows[0]) for r in rows):
+        return np.asarray(rows[0], dtype=dtype)
+    return _rank_table(rows, dtype)[rank]
+
+
+def _decay_mask(buffer: BufferPlan, rank) -> jax.Array | float:
+    """1.0 where weight decay applies in this rank's block, 0.0 on no-decay runs."""
+    if not any(buffer.no_decay):
+        return 1.0
+    lengths, flags = [], []
+    for runs in buffer.no_decay:
+        row_len, row_flag, cursor = [], [], 0
+        for start, numel in sorted(runs):
+            row_len += [start - cursor, numel]
+            row_flag += [1.0, 0.0]
+            cursor = start + numel
+        row_len.append(buffer.block_numel - cursor)
+        row_flag.append(1.0)
+        lengths.append(row_len)
+        flags.append(row_flag)
+    width = max(len(r) for r in lengths)
+    lengths = [r + [0] * (width - len(r)) for r in lengths]
+    flags = [r + [1.0] * (width - len(r)) for r in flags]
+    return jnp.repeat(
+        jnp.asarray(_rank_row(flags, rank, np.float32)),
+        jnp.asarray(_rank_row(lengths, rank)),
+        total_repeat_length=buffer.block_numel,
+    )
+
+
+def _muon_block(buffer, master, momentum, grad, rank, lr, weight_decay, muon_config, transpose):
+    """Muon on every whole matrix this rank owns in one layer-wise block."""
+    spare = max(m * n for m, n in (g.shape for g in buffer.slot_groups))
+    extend = lambda x: jnp.concatenate([x, jnp.zeros(spare, x.dtype)])  # noqa: E731
+    master, momentum, grad = extend(master), extend(momentum), extend(grad)
+    for group in buffer.slot_groups:
+        m, n = group.shape
+        offsets = _rank_row(group.offsets, rank)
+
+        def take(flat, offsets=offsets, m=m, n=n):
+            rows = [lax.dynamic_slice(flat, (offsets[j],), (m * n,)) for j in range(group.width)]
+            x = jnp.stack(rows).reshape(group.width, m, n)
+            return jnp.swapaxes(x, -1, -2) if transpose else x
+
+        new_p, new_m = muon_lib.muon_update(
+            take(master),
+            take(grad),
+            take(momentum),
+            learning_rate=lr,
+            weight_decay=weight_decay,
+            config=muon_config,
+            qkv_split_shapes=group.qkv_split_shapes,
+        )
+        if transpose:
+            new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
+        for j in range(group.width):
+            master = lax.dynamic_update_slice(master, new_p[j].reshape(-1), (offsets[j],))
+            momentum = lax.dynamic_update_slice(momentum, new_m[j].reshape(-1), (offsets[j],))
+    size = buffer.block_numel
+    return master[:size], momentum[:size]
+
+
+def layerwise_muon(
+    params,
+    mesh: Mesh,
+    *,
+    axis: str = "dp",
+    learning_rate: ScalarOrSchedule = 0.02,
+    adam_learning_rate: ScalarOrSchedule | None = None,
+    muon: muon_lib.MuonConfig = muon_lib.MuonConfig(),
+    elementwise: optax.GradientTransformation | None = None,
+    config: OptimizerConfig = OptimizerConfig(),
+    policy: LayoutPolicy = DEFAULT_POLICY,
+    bucket_size: int | None = None,
+    high_busbw: bool = False,
+    **routing,
+) -> LayerwiseOptimizer:
+    """Build Megatron's layer-wise distributed Muon for a parameter pytree on a mesh.
+
+    Muon matrices (by default: 2-D, not embedding or output head) are updated
+    with Muon (:func:`lwjax.muon.muon_update`); every other parameter with the
+    ``elementwise`` direction plus decoupled weight decay:
+
+    .. math::
+
+       p \\leftarrow p - \\eta_a (u + \\lambda\\, \\mathbb{1}_{\\text{decay}}\\, p),
+       \\qquad u = \\text{elementwise}(g)
+
+    Args:
+      params: The parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
+      mesh: A mesh with a data-parallel axis named ``axis``.
+      axis: The data-parallel axis.
+      learning_rate: Muon learning rate, or a schedule of the step count.
+      adam_learning_rate: Learning rate of the elementwise parameters;
+        defaults to ``learning_rate`` (Megatron uses one schedule for both).
+      muon: Muon settings (:class:`lwjax.muon.MuonConfig`).
+      elementwise: Elementwise optax transform giving the update direction of
+        non-Muon parameters, without learning rate or weight decay; defaults to
+        ``optax.scale_by_adam(0.9, 0.999, 1e-8)`` (Megatron's Adam defaults).
+      config: Weight decay, clipping and dtypes (:class:`OptimizerConfig`).
+      policy: Layout policy (:data:`lwjax.policies.POLICIES`).
+      bucket_size: Bucket size in elements (``None``: one bucket per buffer).
+      high_busbw: Pad buckets for high NCCL bus bandwidth.
+      **routing: Routing rules (``muon``, ``stacked``, ``tied``, ``qkv_split``);
+        see :func:`lwjax.routing.route_leaves`.
+
+    Returns:
+      A :class:`LayerwiseOptimizer`.
+
+    Raises:
+      ValueError: ``axis`` not in the mesh, or a routing/layout rule broken.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"layerwise_muon: mesh has axes {mesh.axis_names}; no data-parallel axis {axis!r}.")
+    dp = mesh.shape[axis]
+    plan = make_plan(
+        params,
+        dp,
+        policy=policy,
+        bucket_size=bucket_size,
+        high_busbw=high_busbw,
+        grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+        **routing,
+    )
+    expert = [r.path for r in plan.routes if r.is_expert]
+    if expert:
+        raise ValueError(f"{expert[0]}: expert-parallel parameters need an expert mesh axis, which is not supported yet.")
+    tx = elementwise if elementwise is not None else optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
+    muon_lr = _schedule(learning_rate)
+    adam_lr = _schedule(adam_learning_rate if adam_learning_rate is not None else learning_rate)
+    master_dtype = jnp.dtype(config.master_dtype)
+    transpose = config.matrix_convention == "in_out" and (
+        muon.scale_mode != "spectral" or any(r.qkv_split_shapes for r in plan.routes)
+    )
+    real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
+    padding_per_rank = [sum(b.padding[r] for b in plan.buffers) for r in range(dp)]
+
+    def local_init(params):
+        rank = lax.axis_index(axis)
+        buffers = pack(plan, params, dtypes=[master_dtype] * len(plan.buffers))
+        masters = tuple(
+            lax.dynamic_slice(flat, (rank * b.block_numel,), (b.block_numel,)) for b, flat in zip(plan.buffers, buffers)
+        )
+        momenta = tuple(jnp.zeros_like(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, masters))
+        states = tuple(None if b.key.is_layer_wise else tx.init(m) for b, m in zip(plan.buffers, masters))
+        return LayerwiseState(jnp.zeros([], jnp.int32), masters, momenta, states)
+
+    def block_spec(buffer):
+        local = jax.ShapeDtypeStruct((buffer.block_numel,), master_dtype)
+        if buffer.key.is_layer_wise:
+            return None
+        return jax.tree.map(lambda x: P(axis) if x.shape == local.shape else P(), jax.eval_shape(tx.init, local))
+
+    state_specs = LayerwiseState(
+        count=P(),
+        masters=tuple(P(axis) for _ in plan.buffers),
+        momenta=tuple(P(axis) if b.key.is_layer_wise else None for b in plan.buffers),
+        elementwise=tuple(block_spec(b) for b in plan.buffers),
+    )
+
+    @jax.jit
+    def init(params):
+        check_tree(plan, params, "init(params)")
+        return jax.shard_map(local_init, mesh=mesh, in_specs=(P(),), out_specs=state_specs, check_vma=False)(params)
+
+    def apply_updates(state: LayerwiseState, grads, rank):
+        """Phase 4: new masters and optimizer state for this rank's blocks."""
+        lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
+        masters, momenta, states = [], [], []
+        for buffer, master, momentum, tx_state, grad in zip(
+            plan.buffers, state.masters, state.momenta, state.elementwise, grads
+        ):
+            if buffer.key.is_layer_wise:
+                new_master, new_momentum = _muon_block(
+                    buffer, master, momentum, grad, rank, lr_m, config.weight_decay, muon, transpose
+                )
+                masters.append(new_master)
+                momenta.append(new_momentum)
+                states.append(None)
+            else:
+                direction, tx_state = tx.update(grad, tx_state, master)
+                decay = config.weight_decay * _decay_mask(buffer, rank)
+                masters.append(master - lr_a * (direction + decay * master))
+                momenta.append(None)
+                states.append(tx_state)
+        return LayerwiseState(state.count + 1, tuple(masters), tuple(momenta), tuple(states))
+
+    def update(grads, state: LayerwiseState, params):
+        check_tree(plan, grads, "update(grads)")
+        rank = lax.axis_index(axis)
+        # 1. Pack local gradients, scaled for a dp-mean, in the reduction dtype.
+        grad_dtypes = [b.key.grad_dtype for b in plan.buffers]
+        packed = pack(plan, jax.tree.map(lambda g: g.astype(master_dtype) / dp, grads), dtypes=grad_dtypes)
+        # 2. Reduce-scatter: this rank's block of every buffer, summed over dp.
+        blocks = [lax.psum_scatter(flat, axis, tiled=True).astype(master_dtype) for flat in packed]
+        # 3. Global norm, clipping and zero count from one psum of per-block sums.
+        padding = _rank_row([[p] for p in padding_per_rank], rank)[0]
+        sq_sum = sum(jnp.sum(jnp.square(b)) for b in blocks)
+        zeros = sum(jnp.sum(b == 0, dtype=jnp.int32) for b in blocks) - padding
+        sq_sum, zeros = lax.psum((sq_sum, zeros), axis)
+        grad_norm = jnp.sqrt(sq_sum)
+        finite = jnp.isfinite(grad_norm)
+        clip_coef = jnp.ones([], master_dtype)
+        if config.clip_grad:
+            clip_coef = jnp.minimum(1.0, config.clip_grad / (grad_norm + CLIP_EPS)).astype(master_dtype)
+            blocks = [b * clip_coef for b in blocks]
+        # 4. Update owned state; a non-finite norm keeps the state as it was.
+        new_state = lax.cond(finite, lambda s: apply_updates(s, blocks, rank), lambda s: s, state)
+        delta_sq = sum(jnp.sum(jnp.square(new - old)) for new, old in zip(new_state.masters, state.masters))
+        update_rms = jnp.sqrt(lax.psum(delta_sq, axis) / real_numel)
+        # 5. Masters in parameter dtype, all-gathered back into the pytree.
+        gathered = [
+            lax.all_gather(m.astype(b.key.param_dtype), axis, tiled=True) for b, m in zip(plan.buffers, new_state.masters)
+        ]
+        leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
+        new_params = unpack(plan, gathered, dtypes=leaf_dtypes)
+        metrics = {
+            "grad_norm": grad_norm,
+            "clip_coef": clip_coef,
+            "num_zeros": zeros,
+            "update_rms": update_rms,
+            "skipped": jnp.logical_not(finite),
+        }
+        return new_params, new_state, metrics
+
+    return LayerwiseOptimizer(plan=plan, mesh=mesh, axis=axis, init=init, update=update, state_specs=state_specs)
+
+
+def state_shardings(optimizer: LayerwiseOptimizer) -> LayerwiseState:
+    """``NamedSharding`` pytree of the optimizer state."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(optimizer.mesh, spec),
+        optimizer.state_specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )

@@ -1,0 +1,379 @@
+"""Tests for lwjax.muon against emerging_optimizers 0.3.0 ground truth."""
+
+import dataclasses
+import doctest
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lwjax import muon
+from lwjax.muon import (
+    COEFFICIENT_SETS,
+    COEFFICIENT_TYPES,
+    PRECISIONS,
+    SCALE_MODES,
+    MuonConfig,
+    get_muon_scale_factor,
+    muon_update,
+    newton_schulz,
+    orthogonalize,
+)
+
+_FIXTURE = json.loads(
+    (pathlib.Path(__file__).parent / "fixtures" / "muon" / "muon_reference.json").read_text()
+)
+# Inputs are stored as float32 values written in decimal; the round trip is exact.
+_INPUTS = {k: np.asarray(v["data"], np.float64).astype(np.float32) for k, v in _FIXTURE["inputs"].items()}
+_NS_CASES = _FIXTURE["newton_schulz"]
+_MUON_CASES = _FIXTURE["muon"]
+
+# megatron-notes §3: G[i][j] = ((7i + 3j) mod 11 - 5) / 5, 4x6, quintic, 5 steps (H200, torch).
+_NOTES_G = np.array([[((7 * i + 3 * j) % 11 - 5) / 5 for j in range(6)] for i in range(4)], np.float32)
+_NOTES_HIGHEST = np.array([
+    -0.711818, -0.063569, 0.099229, 0.483501, -0.441526, -0.278728,
+    0.105586, 0.667247, -0.190802, -0.012693, 0.144831, -0.713218,
+    -0.13645, 0.29999, 0.654302, -0.593672, -0.339895, 0.014417,
+    0.653299, -0.239428, 0.122395, 0.182794, -0.628619, -0.266796,
+]).reshape(4, 6)
+_NOTES_MEDIUM = np.array([
+    -0.710938, -0.067383, 0.100586, 0.480469, -0.445312, -0.277344,
+    0.109863, 0.671875, -0.19043, -0.015747, 0.146484, -0.714844,
+    -0.137695, 0.298828, 0.65625, -0.59375, -0.339844, 0.014282,
+    0.652344, -0.241211, 0.121582, 0.185547, -0.628906, -0.265625,
+]).reshape(4, 6)
+_NOTES_ONE_STEP = np.array([
+    -0.841422, -0.064412, 0.05874, 0.580773, -0.441461, -0.318309,
+    0.102823, 0.677274, -0.27872, 0.062427, 0.194455, -0.761538,
+    -0.16516, 0.256444, 0.675085, -0.656102, -0.278039, 0.140603,
+    0.807867, -0.311104, 0.078155, 0.237072, -0.670461, -0.281202,
+]).reshape(4, 6)
+_NOTES_TEN_STEPS = np.array([
+    -0.713823, -0.063833, 0.099318, 0.48529, -0.442961, -0.27981,
+    0.108323, 0.668808, -0.193029, -0.010539, 0.144403, -0.717434,
+    -0.140711, 0.301532, 0.658703, -0.598847, -0.339327, 0.017844,
+    0.660149, -0.241122, 0.119684, 0.187566, -0.632406, -0.271602,
+]).reshape(4, 6)
+
+
+def _rng_matrix(seed, *shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _config_from_kwargs(kwargs):
+    assert kwargs["weight_decay_method"] == "decoupled"
+    return MuonConfig(
+        momentum=kwargs["momentum"],
+        nesterov=kwargs["nesterov"],
+        coefficient_type=kwargs["coefficient_type"],
+        num_ns_steps=kwargs["num_ns_steps"],
+        scale_mode=kwargs["scale_mode"],
+        extra_scale_factor=kwargs["extra_scale_factor"],
+        fp32_matmul_prec=kwargs["fp32_matmul_prec"],
+    )
+
+
+# --- constants ---------------------------------------------------------------------------------
+
+
+def test_coefficient_sets_match_fixture():
+    assert set(COEFFICIENT_TYPES) == set(_FIXTURE["coefficient_sets"])
+    for name, table in _FIXTURE["coefficient_sets"].items():
+        assert COEFFICIENT_SETS[name] == tuple(tuple(abc) for abc in table), name
+
+
+def test_muon_config_defaults_match_megatron():
+    assert dataclasses.asdict(MuonConfig()) == dict(
+        momentum=0.95, nesterov=False, coefficient_type="quintic", num_ns_steps=5,
+        scale_mode="spectral", extra_scale_factor=1.0, fp32_matmul_prec="medium", split_qkv=True,
+    )
+    assert PRECISIONS == ("highest", "high", "medium")
+    assert SCALE_MODES == ("spectral", "unit_rms_norm", "shape_scaling")
+
+
+# --- newton_schulz -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", _NS_CASES, ids=[c["id"] for c in _NS_CASES])
+def test_newton_schulz_matches_fp64_reference_in_fp32(case):
+    x = jnp.asarray(_INPUTS[case["input"]])
+    out = newton_schulz(x, case["coefficient_type"], case["steps"], eps=case["eps"], precision="highest")
+    assert out.dtype == jnp.float32 and out.shape == x.shape
+    # At most twice torch's own fp32 drift from the fp64 reference, and never looser than 1e-5.
+    tol = max(1e-5, 2 * case["max_abs_diff_fp32_vs_fp64"])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(case["output_fp64_reference"]), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("case", _NS_CASES, ids=[c["id"] for c in _NS_CASES])
+def test_newton_schulz_matches_fp64_reference_in_float64(case):
+    with jax.enable_x64(True):
+        x = jnp.asarray(_INPUTS[case["input"]].astype(np.float64))
+        out = newton_schulz(x, case["coefficient_type"], case["steps"], eps=case["eps"], precision="highest")
+        assert out.dtype == jnp.float64
+        out = np.asarray(out)
+    np.testing.assert_allclose(out, np.asarray(case["output_fp64_reference"]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "steps, precision, expected",
+    [(5, "highest", _NOTES_HIGHEST), (1, "highest", _NOTES_ONE_STEP), (10, "highest", _NOTES_TEN_STEPS),
+     (5, "medium", _NOTES_MEDIUM)],
+    ids=["highest_5", "highest_1", "highest_10", "medium_5"],
+)
+def test_newton_schulz_matches_megatron_notes_vectors(steps, precision, expected):
+    out = np.asarray(newton_schulz(jnp.asarray(_NOTES_G), "quintic", steps, precision=precision))
+    # The notes print 6 decimals; "medium" is reproduced to the bf16 value, not just nearby.
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-6)
+    out_t = np.asarray(newton_schulz(jnp.asarray(_NOTES_G.T), "quintic", steps, precision=precision))
+    np.testing.assert_array_equal(out_t, out.T)
+
+
+def test_newton_schulz_medium_rounds_through_bf16():
+    x = jnp.asarray(_NOTES_G)
+    medium = np.asarray(newton_schulz(x, precision="medium"))
+    highest = np.asarray(newton_schulz(x, precision="highest"))
+    assert np.abs(medium - highest).max() > 1e-3
+    # The final iterate is a bf16 value cast back to fp32.
+    np.testing.assert_array_equal(medium, medium.astype(jnp.bfloat16).astype(np.float32))
+    assert newton_schulz(x, precision="medium").dtype == jnp.float32
+
+
+def test_newton_schulz_high_uses_fp32_storage():
+    # XLA's default fp32 dot is plain fp32 on CPU; on recent GPUs it is TF32 (about 2e-3 off, notes §3).
+    x = jnp.asarray(_INPUTS["50x70"])
+    high = np.asarray(newton_schulz(x, precision="high"))
+    atol = 1e-6 if jax.default_backend() == "cpu" else 5e-3
+    np.testing.assert_allclose(high, np.asarray(newton_schulz(x, precision="highest")), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 2, 9, 4)], ids=["wide_b3", "tall_b2x2"])
+def test_newton_schulz_batched_equals_per_matrix(shape, precision):
+    x = _rng_matrix(1, *shape)
+    batched = np.asarray(newton_schulz(jnp.asarray(x), "cans", 6, precision=precision))
+    flat_in = x.reshape(-1, *shape[-2:])
+    singles = np.stack([np.asarray(newton_schulz(jnp.asarray(m), "cans", 6, precision=precision))
+                        for m in flat_in])
+    np.testing.assert_allclose(batched, singles.reshape(shape), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("coefficient_type", COEFFICIENT_TYPES)
+def test_newton_schulz_zero_matrix_stays_exactly_zero(coefficient_type, precision):
+    x = np.stack([np.zeros((6, 4), np.float32), _rng_matrix(2, 6, 4)])
+    out = np.asarray(newton_schulz(jnp.asarray(x), coefficient_type, 5, precision=precision))
+    np.testing.assert_array_equal(out[0], 0.0)
+    assert np.abs(out[1]).max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_newton_schulz_preserves_narrow_dtype(dtype):
+    x = jnp.asarray(_NOTES_G).astype(dtype)
+    out = newton_schulz(x, precision="highest")
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), _NOTES_HIGHEST, rtol=0, atol=2e-2)
+
+
+def test_newton_schulz_jits():
+    fn = jax.jit(functools.partial(newton_schulz, coefficient_type="aol", num_ns_steps=4, precision="highest"))
+    x = jnp.asarray(_INPUTS["32x8"])
+    np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(newton_schulz(x, "aol", 4)), rtol=0, atol=1e-6)
+
+
+# --- get_muon_scale_factor ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case", _FIXTURE["scale_factors"],
+    ids=[f"{c['size_out']}x{c['size_in']}_{c['mode']}" for c in _FIXTURE["scale_factors"]],
+)
+def test_get_muon_scale_factor_matches_fixture(case):
+    value = get_muon_scale_factor(case["size_out"], case["size_in"], case["mode"])
+    assert type(value) is float
+    assert value == case["value"]
+
+
+# --- orthogonalize -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_mode", SCALE_MODES)
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12)], ids=["tall", "wide"])
+def test_orthogonalize_is_scaled_newton_schulz(shape, scale_mode):
+    u = jnp.asarray(_rng_matrix(3, 2, *shape))
+    out = orthogonalize(u, scale_mode=scale_mode, extra_scale_factor=0.2, precision="highest")
+    expected = np.asarray(newton_schulz(u)) * get_muon_scale_factor(*shape, scale_mode) * 0.2
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=0)
+
+
+def _orthogonalize_qkv_by_hand(u, split, **kwargs):
+    """Gather each piece's rows with explicit indices, orthogonalise it, scatter it back."""
+    total = sum(split)
+    groups = u.shape[-2] // total
+    out = np.zeros_like(u)
+    offset = 0
+    for rows in split:
+        idx = np.concatenate([g * total + offset + np.arange(rows) for g in range(groups)])
+        out[:, idx] = np.asarray(orthogonalize(jnp.asarray(u[:, idx]), **kwargs))
+        offset += rows
+    return out
+
+
+@pytest.mark.parametrize(
+    "split, scale_mode",
+    [((4, 2, 2), "spectral"), ((4, 2, 2), "unit_rms_norm"), ((4, 4, 2, 2), "unit_rms_norm")],
+    ids=["qkv_spectral", "qkv_unit_rms_norm", "gated_qqkv_unit_rms_norm"],
+)
+def test_orthogonalize_qkv_split_matches_manual_row_blocks(split, scale_mode):
+    groups, cols = 3, 10
+    u = _rng_matrix(4, 2, groups * sum(split), cols)
+    kwargs = dict(scale_mode=scale_mode, extra_scale_factor=0.2, precision="highest")
+    out = np.asarray(orthogonalize(jnp.asarray(u), qkv_split_shapes=split, **kwargs))
+    np.testing.assert_allclose(out, _orthogonalize_qkv_by_hand(u, split, **kwargs), rtol=0, atol=1e-6)
+    whole = np.asarray(orthogonalize(jnp.asarray(u), **kwargs))
+    assert np.abs(out - whole).max() > 1e-2
+
+
+def test_orthogonalize_qkv_split_rejects_indivisible_rows():
+    with pytest.raises(ValueError, match=r"orthogonalize: .*divisible by sum\(qkv_split_shapes\)=8.*rows=20"):
+        orthogonalize(jnp.ones((20, 6)), qkv_split_shapes=(4, 2, 2))
+
+
+# --- muon_update -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", _MUON_CASES, ids=[c["id"] for c in _MUON_CASES])
+def test_muon_update_matches_fixture_three_steps(case):
+    kwargs = case["kwargs"]
+    config = _config_from_kwargs(kwargs)
+    step = functools.partial(muon_update, config=config)  # eager; jit is covered below
+    param = jnp.asarray(np.asarray(case["param_init"], np.float32))
+    mom = jnp.zeros_like(param)
+    for t in range(3):
+        grad = jnp.asarray(np.asarray(case["grads"][t], np.float32))
+        param, mom = step(param, grad, mom, learning_rate=kwargs["lr"], weight_decay=kwargs["weight_decay"])
+        assert param.dtype == mom.dtype == jnp.float32
+        # Observed max |error| is 4.5e-8 for params (|P| <= 0.31) and 2.2e-8 for momentum.
+        np.testing.assert_allclose(np.asarray(param), case["params_after_step"][t], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(mom), case["momentum_after_step"][t], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["plain", "nesterov"])
+def test_muon_update_first_step_matches_megatron_notes_formula(nesterov):
+    # notes §3: P1 = P0 (1 - lr wd) - lr sqrt(6) extra NS(G), whatever beta and Nesterov are.
+    lr, wd, extra = 0.02, 0.1, 0.2
+    config = MuonConfig(momentum=0.9, nesterov=nesterov, extra_scale_factor=extra, fp32_matmul_prec="highest")
+    p0 = _rng_matrix(5, 4, 6)
+    p1, m1 = muon_update(jnp.asarray(p0), jnp.asarray(_NOTES_G), jnp.zeros((4, 6)),
+                         learning_rate=lr, weight_decay=wd, config=config)
+    expected = p0 * (1 - lr * wd) - lr * np.sqrt(6) * extra * _NOTES_HIGHEST
+    np.testing.assert_allclose(np.asarray(p1), expected, rtol=0, atol=2e-7)
+    np.testing.assert_allclose(np.asarray(m1), 0.1 * _NOTES_G, rtol=1e-6, atol=0)
+
+
+def test_muon_update_jit_with_traced_hyperparameters_matches_eager():
+    config = MuonConfig(nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2)
+    p, g, m = (jnp.asarray(_rng_matrix(s, 3, 8, 5)) for s in (6, 7, 8))
+    eager = muon_update(p, g, m, learning_rate=0.01, weight_decay=0.1, config=config)
+
+    @jax.jit
+    def step(p, g, m, lr, wd):
+        return muon_update(p, g, m, learning_rate=lr, weight_decay=wd, config=config)
+
+    jitted = step(p, g, m, jnp.float32(0.01), jnp.float32(0.1))
+    for a, b in zip(jitted, eager):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_muon_update_batched_equals_per_matrix():
+    config = MuonConfig(nesterov=True, fp32_matmul_prec="highest")
+    p, g, m = (_rng_matrix(s, 4, 6, 9) for s in (9, 10, 11))
+    bp, bm = muon_update(*map(jnp.asarray, (p, g, m)), learning_rate=0.02, weight_decay=0.01, config=config)
+    for i in range(4):
+        sp, sm = muon_update(*map(jnp.asarray, (p[i], g[i], m[i])), learning_rate=0.02, weight_decay=0.01,
+                             config=config)
+        np.testing.assert_allclose(np.asarray(bp[i]), np.asarray(sp), rtol=0, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(bm[i]), np.asarray(sm), rtol=0, atol=0)
+
+
+def test_muon_update_zero_grad_only_decays():
+    p = _rng_matrix(12, 2, 6, 4)
+    zeros = jnp.zeros_like(p)
+    new_p, new_m = muon_update(jnp.asarray(p), zeros, zeros, learning_rate=0.5, weight_decay=0.1,
+                               config=MuonConfig())
+    np.testing.assert_array_equal(np.asarray(new_m), 0.0)
+    np.testing.assert_allclose(np.asarray(new_p), p - 0.05 * p, rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("split_qkv", [True, False], ids=["split", "no_split"])
+def test_muon_update_passes_qkv_split_only_when_enabled(split_qkv):
+    config = MuonConfig(split_qkv=split_qkv, fp32_matmul_prec="highest")
+    g = _rng_matrix(13, 16, 6)
+    new_p, _ = muon_update(jnp.zeros((16, 6)), jnp.asarray(g), jnp.zeros((16, 6)), learning_rate=1.0,
+                           weight_decay=0.0, config=config, qkv_split_shapes=(4, 2, 2))
+    expected = orthogonalize(jnp.asarray(0.05 * g), precision="highest",
+                             qkv_split_shapes=(4, 2, 2) if split_qkv else None)
+    np.testing.assert_allclose(np.asarray(new_p), -np.asarray(expected), rtol=0, atol=1e-6)
+
+
+# --- argument checking -------------------------------------------------------------------------
+
+_X = jnp.ones((4, 6))
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda: newton_schulz(_X, "quartic"), ValueError, r"newton_schulz: coefficient_type .*got coefficient_type='quartic'"),
+        (lambda: newton_schulz(_X, num_ns_steps=0), ValueError, r"newton_schulz: num_ns_steps .*got num_ns_steps=0"),
+        (lambda: newton_schulz(_X, num_ns_steps=2.0), TypeError, r"newton_schulz: num_ns_steps must be an int"),
+        (lambda: newton_schulz(jnp.ones(6)), ValueError, r"newton_schulz: x must have rank >= 2.*x.shape=\(6,\)"),
+        (lambda: newton_schulz(jnp.ones((4, 6), jnp.int32)), TypeError, r"newton_schulz: x must .*floating.*int32"),
+        (lambda: newton_schulz(_X, precision="low"), ValueError, r"newton_schulz: precision .*got precision='low'"),
+        (lambda: newton_schulz(_X, eps=0.0), ValueError, r"newton_schulz: eps .*got eps=0.0"),
+        (lambda: get_muon_scale_factor(4, 6, "rms"), ValueError, r"get_muon_scale_factor: mode .*got mode='rms'"),
+        (lambda: get_muon_scale_factor(0, 6), ValueError, r"get_muon_scale_factor: size_out .*got size_out=0"),
+        (lambda: orthogonalize(_X, scale_mode="x"), ValueError, r"orthogonalize: scale_mode .*got scale_mode='x'"),
+        (lambda: orthogonalize(_X, qkv_split_shapes=(4, 0)), ValueError, r"orthogonalize: qkv_split_shapes"),
+        (lambda: orthogonalize(_X, qkv_split_shapes=4), TypeError, r"orthogonalize: qkv_split_shapes .*int"),
+        (lambda: muon_update(_X, _X, _X, learning_rate=1.0, weight_decay=0.0, config={}), TypeError,
+         r"muon_update: config must be a MuonConfig"),
+        (lambda: muon_update(_X, _X.T, _X, learning_rate=1.0, weight_decay=0.0, config=MuonConfig()), ValueError,
+         r"muon_update: .*grad.shape=\(6, 4\)"),
+    ],
+    ids=["ns_coefficient_type", "ns_steps_zero", "ns_steps_float", "ns_rank1", "ns_int_dtype", "ns_precision",
+         "ns_eps", "scale_mode", "scale_size", "orth_scale_mode", "orth_split_zero", "orth_split_int",
+         "update_config", "update_shapes"],
+)
+def test_bad_arguments_raise_naming_the_argument(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [("scale_mode", "rms", ValueError), ("coefficient_type", "custom", ValueError),
+     ("fp32_matmul_prec", "low", ValueError), ("num_ns_steps", 0, ValueError), ("num_ns_steps", 5.0, TypeError),
+     ("momentum", 1.0, ValueError), ("momentum", float("nan"), ValueError), ("nesterov", 1, TypeError),
+     ("split_qkv", "yes", TypeError), ("extra_scale_factor", "0.2", TypeError)],
+    ids=["scale_mode", "coefficient_type", "precision", "ns_steps_zero", "ns_steps_float", "momentum_one",
+         "momentum_nan", "nesterov_int", "split_qkv_str", "extra_scale_str"],
+)
+def test_muon_config_rejects_bad_fields(field, value, error):
+    with pytest.raises(error, match=rf"^MuonConfig\.{field} must"):
+        MuonConfig(**{field: value})
+
+
+def test_muon_config_is_hashable_and_frozen():
+    config = MuonConfig()
+    assert hash(config) == hash(MuonConfig())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.momentum = 0.9
+
+
+def test_muon_module_docstring_examples_run():
+    result = doctest.testmod(muon, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,206 @@
+"""The sharded step against an unsharded reference, its communication, memory and errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwjax.muon import MuonConfig
+from lwjax.optimizer import OptimizerConfig, layerwise_muon
+from lwjax.policies import POLICIES
+from lwjax.train import make_train_step
+from reference import reference_run
+
+MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2)
+CONFIG = OptimizerConfig(weight_decay=0.1, clip_grad=1.0)
+LR = 0.02
+
+
+def toy_params(seed=0, layers=4, d=16, ff=48, vocab=64):
+    rng = np.random.default_rng(seed)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa: E731
+    params = {"embed": {"embedding": w(vocab, d)}, "head": {"kernel": w(d, vocab)}, "norm": {"scale": jnp.ones(d)}}
+    for i in range(layers):
+        params[f"layer{i}"] = {
+            "wq": w(d, d), "wo": w(d, d), "up": w(d, ff), "down": w(ff, d),
+            "ln": {"scale": jnp.ones(d)}, "b_up": jnp.zeros(ff),
+        }
+    return params
+
+
+def mesh_of(dp):
+    return Mesh(np.array(jax.devices()[:dp]), ("dp",))
+
+
+def random_grads(params, dp, steps, seed=1):
+    rng = np.random.default_rng(seed)
+    return [
+        [jax.tree.map(lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), params) for _ in range(dp)]
+        for _ in range(steps)
+    ]
+
+
+def run_sharded(opt, params, grads_per_step):
+    dp = opt.mesh.shape["dp"]
+    step = jax.jit(jax.shard_map(
+        lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p),
+        mesh=opt.mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=(P(), opt.state_specs, P()),
+        check_vma=False))
+    state = opt.init(params)
+    for device_grads in grads_per_step:
+        stacked = jax.tree.map(lambda *g: np.stack(g), *device_grads)
+        stacked = jax.device_put(stacked, NamedSharding(opt.mesh, P("dp")))
+        params, state, metrics = step(params, state, stacked)
+        assert dp == len(device_grads)
+    return params, state, metrics
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_step_matches_unsharded_reference(policy, dp):
+    params = toy_params()
+    grads = random_grads(params, dp, steps=5)
+    opt = layerwise_muon(params, mesh_of(dp), learning_rate=LR, muon=MUON, config=CONFIG, policy=policy, bucket_size=2000)
+    got, _, metrics = run_sharded(opt, params, grads)
+    want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=CONFIG.weight_decay,
+                         clip_grad=CONFIG.clip_grad, muon_config=MUON)
+    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(got), jax.tree.leaves(want)):
+        err = np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b))
+        assert err <= 1e-5, (jax.tree_util.keystr(path[0]), err)
+    assert not bool(metrics["skipped"])
+
+
+def _step_fn(opt):
+    return jax.jit(jax.shard_map(
+        lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p),
+        mesh=opt.mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=(P(), opt.state_specs, P()),
+        check_vma=False))
+
+
+def _stacked(opt, device_grads):
+    return jax.device_put(jax.tree.map(lambda *g: np.stack(g), *device_grads), NamedSharding(opt.mesh, P("dp")))
+
+
+def test_step_uses_reduce_scatter_and_all_gather_not_all_reduce():
+    params = toy_params()
+    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=CONFIG, bucket_size=2000)
+    state = opt.init(params)
+    grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
+    hlo = _step_fn(opt).lower(params, state, grads).compile().as_text()
+    ops = re.findall(r"= (\S+) (reduce-scatter|all-gather|all-reduce)(?:-start)?\(", hlo)
+    kinds = {kind for _, kind in ops}
+    assert {"reduce-scatter", "all-gather"} <= kinds
+    for shape, kind in ops:
+        if kind == "all-reduce":
+            sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                     for dims in re.findall(r"\[([\d,]*)\]", shape)]
+            assert sum(sizes) <= 8, f"all-reduce of {shape} is more than a few scalars"
+    gathered = sum(b.numel for b in opt.plan.buffers)
+    scattered = [s for s, k in ops if k == "reduce-scatter"]
+    assert sum(int(d) for s in scattered for d in re.findall(r"\[(\d+)\]", s)) * 4 == gathered
+
+
+def test_state_holds_only_this_devices_share():
+    params = toy_params(layers=8)
+    dp = 4
+    opt = layerwise_muon(params, mesh_of(dp), muon=MUON, config=CONFIG)
+    state = opt.init(params)
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    per_device = {}
+    for leaf in jax.tree.leaves(state):
+        if leaf.ndim == 0:
+            continue
+        assert leaf.sharding.spec == P("dp")
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    assert len(per_device) == dp
+    # fp32 master + Muon momentum or Adam mu and nu: 8 to 12 bytes per element, split over dp.
+    muon_numel = sum(int(np.prod(r.shape)) for r in opt.plan.routes if r.is_muon)
+    unsharded = 8 * muon_numel + 12 * (total - muon_numel)
+    for nbytes in per_device.values():
+        assert nbytes <= 1.10 * unsharded / dp
+
+
+def test_nonfinite_grads_skip_the_step_and_keep_state():
+    params = toy_params()
+    opt = layerwise_muon(params, mesh_of(2), muon=MUON, config=CONFIG)
+    step = _step_fn(opt)
+    state = opt.init(params)
+    good = random_grads(params, 2, steps=1)[0]
+    params1, state1, m1 = step(params, state, _stacked(opt, good))
+    bad = [jax.tree.map(np.copy, g) for g in good]
+    bad[1]["layer0"]["wq"][3, 4] = np.nan
+    params2, state2, m2 = step(params1, state1, _stacked(opt, bad))
+    assert bool(m2["skipped"]) and not bool(m1["skipped"])
+    for a, b in zip(jax.tree.leaves((params2, state2)), jax.tree.leaves((params1, state1))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_params_come_back_as_rounded_fp32_masters():
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), toy_params())
+    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=CONFIG)
+    params1, state1, _ = _step_fn(opt)(params, opt.init(params), _stacked(opt, random_grads(params, 4, 1)[0]))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params1))
+    from lwjax.buffers import unpack
+    gathered = [np.asarray(m) for m in state1.masters]
+    masters = unpack(opt.plan, gathered, dtypes=[np.float32] * len(opt.plan.routes))
+    for p, m in zip(jax.tree.leaves(params1), jax.tree.leaves(masters)):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(jnp.asarray(m).astype(jnp.bfloat16)))
+    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params)))
+
+
+def _mlp_loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _mlp_setup(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32), "b1": jnp.zeros(32),
+              "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, jnp.float32)}
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    y = np.sin(x[:, :4]).astype(np.float32)
+    return params, (x, y)
+
+
+def test_train_step_is_independent_of_dp_and_lowers_loss():
+    results = {}
+    for dp in (1, 4):
+        params, batch = _mlp_setup()
+        opt = layerwise_muon(params, mesh_of(dp), learning_rate=0.05, muon=MUON, config=CONFIG)
+        train_step = make_train_step(_mlp_loss, opt)
+        state = opt.init(params)
+        losses = []
+        for _ in range(4):
+            params, state, metrics = train_step(params, state, batch)
+            losses.append(float(metrics["loss"]))
+        results[dp] = (params, losses)
+    assert results[1][1][-1] < results[1][1][0]
+    np.testing.assert_allclose(results[1][1], results[4][1], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(results[1][0]), jax.tree.leaves(results[4][0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_gets_clear_errors():
+    params, batch = _mlp_setup()
+    with pytest.raises(ValueError, match="no data-parallel axis 'dp'"):
+        layerwise_muon(params, Mesh(np.array(jax.devices()[:2]), ("data",)))
+    with pytest.raises(ValueError, match="step: parameters must be floating point"):
+        layerwise_muon({**params, "step": jnp.zeros((), jnp.int32)}, mesh_of(2))
+    opt = layerwise_muon(params, mesh_of(4))
+    state = opt.init(params)
+    train_step = make_train_step(_mlp_loss, opt)
+    with pytest.raises(ValueError, match=r"leading axis must divide by dp=4; got shape \(6, 8\)"):
+        train_step(params, state, (batch[0][:6], batch[1][:6]))
+    bad_grads = {"w1": params["w1"], "b1": params["b1"]}
+    with pytest.raises(ValueError, match="update\\(grads\\): the tree does not match"):
+        jax.shard_map(lambda g, s, p: opt.update(g, s, p), mesh=opt.mesh,
+                      in_specs=(P(), opt.state_specs, P()), out_specs=P(), check_vma=False)(bad_grads, state, params)
+    wrong_shape = {**params, "w2": jnp.zeros((32, 5))}
+    with pytest.raises(ValueError, match=r"w2: expected shape \(32, 4\); got \(32, 5\)"):
+        opt.init(wrong_shape)
