@@ -256,9 +256,13 @@ _POLICY_FUNCTIONS = {
 }
 
 
+def _check_size(where: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive integer; got {name}={value!r}.")
+
+
 def _check_specs(specs: Sequence[ParamSpec], dp: int, bucket_size: int | None, where: str) -> None:
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"{where}: dp must be a positive integer; got {dp=}.")
+    _check_size(where, "dp", dp)
     if bucket_size is not None and (
         isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
     ):
@@ -419,7 +423,7 @@ def compute_full_param_layout(
         raise ValueError(f"compute_full_param_layout: policy must be one of {POLICIES}; got {policy=}.")
     _check_specs(specs, dp, bucket_size, "compute_full_param_layout")
     if expert_dp is not None:
-        _check_specs((), expert_dp, None, "compute_full_param_layout(expert_dp)")
+        _check_size("compute_full_param_layout", "expert_dp", expert_dp)
     groups: dict[BufferKey, list[ParamSpec]] = {}
     for spec in specs:
         groups.setdefault(buffer_key_of(spec, grad_reduce_in_fp32=grad_reduce_in_fp32), []).append(spec)
@@ -458,8 +462,8 @@ def ping_pong_ownership(
       ``(dense, expert)``: parameter names per rank; ``expert`` is ``None``
       when ``expert_dp == 1`` or expert rank 0 owns nothing.
     """
-    _check_specs((), dp, None, "ping_pong_ownership")
-    _check_specs((), expert_dp, None, "ping_pong_ownership(expert_dp)")
+    _check_size("ping_pong_ownership", "dp", dp)
+    _check_size("ping_pong_ownership", "expert_dp", expert_dp)
     items = [(spec, is_expert) for is_expert, params in groups for spec in params]
     items.sort(key=lambda item: item[0].numel)
     dense: list[list[str]] = [[] for _ in range(dp)]

@@ -33,7 +33,7 @@ from lwjax.layout import ParamSpec
 T = TypeVar("T")
 Rule = Mapping[str, T] | Callable[[str, tuple[int, ...]], T | None] | None
 
-EMBEDDING_OR_OUTPUT = re.compile(r"(^|/)([^/]*embed[^/]*|wte|wpe|lm_head|head|output_layer)(/|$)")
+EMBEDDING_OR_OUTPUT = re.compile(r"(^|[/.])([^/.]*embed[^/.]*|wte|wpe|lm_head|head|output_layer)([/.]|$)")
 
 
 def path_name(key_path: Iterable[Any]) -> str:
@@ -60,7 +60,11 @@ def path_name(key_path: Iterable[Any]) -> str:
 
 
 def is_embedding_or_output(name: str) -> bool:
-    """Whether a parameter name looks like an embedding table or output projection."""
+    """Whether a parameter name looks like an embedding table or output projection.
+
+    Name components are split at ``/`` (pytree paths) and ``.`` (torch/Megatron
+    names), so ``output_layer.weight`` and ``embed/embedding`` both match.
+    """
     return EMBEDDING_OR_OUTPUT.search(name.lower()) is not None
 
 

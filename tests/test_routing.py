@@ -78,12 +78,20 @@ def test_path_name_drops_nnx_value_and_reads_linen_paths():
     assert path_name(("blocks", 0, "kernel")) == "blocks/0/kernel"
 
 
-@pytest.mark.parametrize("name", ["embedding", "tok_embeddings/weight", "lm_head/kernel", "head", "output_layer"])
+@pytest.mark.parametrize(
+    "name",
+    ["embedding", "tok_embeddings/weight", "lm_head/kernel", "head", "output_layer",
+     "output_layer.weight", "embedding.word_embeddings.weight", "model.lm_head.weight"],
+)
 def test_is_embedding_or_output_names(name):
     assert is_embedding_or_output(name)
 
 
-@pytest.mark.parametrize("name", ["attn/out/kernel", "mlp/up/kernel", "heads_proj", "attn/o_proj"])
+@pytest.mark.parametrize(
+    "name",
+    ["attn/out/kernel", "mlp/up/kernel", "heads_proj", "attn/o_proj",
+     "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.mlp.linear_fc1.weight"],
+)
 def test_is_embedding_or_output_leaves_other_names(name):
     assert not is_embedding_or_output(name)
 

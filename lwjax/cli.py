@@ -1,0 +1,465 @@
+"""The ``lwjax`` command line: one subcommand per job.
+
+``lwjax layout`` shows how a model's parameters are laid out over data-parallel
+ranks: buckets, per-shard loads in elements and Newton–Schulz FLOPs, padding
+overhead and max/mean balance, for one layout policy or (``--compare``) for all
+of them side by side. With ``--json`` it prints machine-readable layouts in the
+format of ``tests/fixtures/layouts``.
+
+Each subcommand is a ``_cmd_<name>(args) -> int`` that calls library functions
+(:mod:`lwjax.presets`, :mod:`lwjax.policies`, :mod:`lwjax.layout_report`) and
+only renders their results. A user error prints one line, ``lwjax <command>:
+<message>``, on stderr and exits with status 2. This module imports no jax;
+subcommands that need it import it themselves.
+
+Examples::
+
+    lwjax layout --preset llama8b --dp 8
+    lwjax layout --preset moe --dp 8 --expert-dp 4 --bucket-size 40000000 --compare
+    lwjax layout --spec params.json --policy lpt --dp 4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from lwjax.layout_report import (
+    DEFAULT_NUM_NS_STEPS,
+    BufferSummary,
+    LayoutSummary,
+    PolicyResult,
+    compare_policies,
+    evaluate_policy,
+    full_layout_to_json,
+    layout_to_json,
+)
+from lwjax.policies import DEFAULT_POLICY, POLICIES, compute_layout
+from lwjax.presets import PRESETS, preset_specs, specs_from_json
+
+EXIT_USAGE = 2
+MAX_SHARD_ROWS = 64  # list shards under every bucket while buckets * dp stays below this
+
+
+class _UsageError(Exception):
+    """A user error; its message is printed as one line and the exit status is 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, raised instead of exiting."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _count(n: int) -> str:
+    """An element or parameter count: exact below 100k, else 3 significant digits (K, M, B)."""
+    if n < 100_000:
+        return f"{n:,}"
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def _flops(n: int) -> str:
+    """FLOPs with an SI prefix."""
+    if n == 0:
+        return "0"
+    for scale, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return str(n)
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _pct(value: float) -> str:
+    return f"{value:.2f}%"
+
+
+def _buffer_title(index: int, buffer: BufferSummary) -> str:
+    key = buffer.key
+    kind = "layer-wise (Muon)" if buffer.is_layer_wise else "elementwise (distributed optimizer)"
+    parts = [f"Buffer {index}"]
+    if key is not None:
+        parts.append(f"{key.param_dtype} params, {key.grad_dtype} grads")
+        parts.append("expert" if key.is_expert_parallel else "dense")
+    parts += [kind, f"{buffer.num_shards} shards"]
+    return " · ".join(parts)
+
+
+def _buffer_label(buffer: BufferSummary) -> str:
+    key = buffer.key
+    kind = "Muon" if buffer.is_layer_wise else "elementwise"
+    if key is None:
+        return kind
+    return f"{key.param_dtype} {'expert' if key.is_expert_parallel else 'dense'} {kind}"
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+
+
+def _table(title: str, columns: Sequence[str], *, text_columns: int = 1):
+    """A table whose first ``text_columns`` columns are left-aligned text, the rest numbers."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", title_style="bold")
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i < text_columns else "right", no_wrap=True)
+    return table
+
+
+def _shard_rows(table, shards, bucket_start: int | None, shard_size: int | None) -> None:
+    """Rows of one shard each, with its loads relative to the mean."""
+    mean_numel = sum(s.numel for s in shards) / len(shards)
+    mean_flops = sum(s.ns_flops for s in shards) / len(shards)
+    for load in shards:
+        start = None if bucket_start is None else bucket_start + load.shard * shard_size
+        where = "" if start is None else f"[{start:,}, {start + shard_size:,})"
+        table.add_row(
+            "",
+            f"shard {load.shard}",
+            where,
+            str(load.num_params),
+            _count(load.numel),
+            _flops(load.ns_flops),
+            "",
+            _ratio(load.numel / mean_numel if mean_numel else None),
+            _ratio(load.ns_flops / mean_flops if mean_flops else None),
+            style="dim",
+        )
+
+
+def _render_buffer(console, index: int, buffer: BufferSummary) -> None:
+    table = _table(
+        _buffer_title(index, buffer),
+        ["bucket", "shard", "range", "params", "elements", "NS FLOPs", "padding", "max/mean el.", "max/mean FLOPs"],
+        text_columns=2,
+    )
+    with_shards = len(buffer.buckets) * buffer.num_shards <= MAX_SHARD_ROWS
+    for bucket in buffer.buckets:
+        table.add_row(
+            str(bucket.bucket_id),
+            "all",
+            f"[{bucket.start:,}, {bucket.end:,})",
+            str(bucket.num_params),
+            _count(bucket.real_numel),
+            _flops(bucket.ns_flops),
+            _pct(bucket.padding_pct),
+            _ratio(bucket.numel_balance),
+            _ratio(bucket.flops_balance),
+            end_section=not with_shards,
+        )
+        if with_shards:
+            shard_size = bucket.numel // buffer.num_shards
+            _shard_rows(table, bucket.shards, bucket.start, shard_size)
+            table.rows[-1].end_section = True
+    if len(buffer.buckets) > 1 or not with_shards:
+        table.add_row(
+            "total",
+            "all",
+            f"[0, {buffer.numel:,})",
+            str(buffer.num_params),
+            _count(buffer.real_numel),
+            _flops(buffer.ns_flops),
+            _pct(buffer.padding_pct),
+            _ratio(buffer.numel_balance),
+            _ratio(buffer.flops_balance),
+            style="bold",
+        )
+        if buffer.num_shards <= MAX_SHARD_ROWS:
+            _shard_rows(table, buffer.shards, None, None)
+    console.print(table)
+
+
+def _render_summary(console, summary: LayoutSummary, layout_ms: float) -> None:
+    table = _table(
+        f"Model summary (layout computed in {layout_ms:.1f} ms)",
+        ["buffer", "shards", "params", "buckets", "elements", "buffer size", "padding", "NS FLOPs",
+         "max/mean el.", "max/mean FLOPs"],
+    )
+    for i, buffer in enumerate(summary.buffers):
+        table.add_row(
+            f"{i}: {_buffer_label(buffer)}",
+            str(buffer.num_shards),
+            str(buffer.num_params),
+            str(len(buffer.buckets)),
+            _count(buffer.real_numel),
+            _count(buffer.numel),
+            _pct(buffer.padding_pct),
+            _flops(buffer.ns_flops),
+            _ratio(buffer.numel_balance),
+            _ratio(buffer.flops_balance),
+            end_section=i == len(summary.buffers) - 1,
+        )
+    for ranks in summary.ranks:
+        label = "model" if len(summary.ranks) == 1 else f"ranks of {ranks.num_shards}-way buffers"
+        table.add_row(
+            label,
+            str(ranks.num_shards),
+            str(sum(b.num_params for b in summary.buffers if b.num_shards == ranks.num_shards)),
+            str(sum(len(b.buckets) for b in summary.buffers if b.num_shards == ranks.num_shards)),
+            _count(ranks.real_numel),
+            _count(ranks.numel),
+            _pct(ranks.padding_pct),
+            _flops(ranks.ns_flops),
+            _ratio(ranks.numel_balance),
+            _ratio(ranks.flops_balance),
+            style="bold",
+        )
+    console.print(table)
+    for ranks in summary.ranks:
+        if ranks.num_shards > MAX_SHARD_ROWS:
+            continue
+        per_rank = _table(
+            f"Per rank, all {ranks.num_shards}-way buffers",
+            ["rank", "params", "elements", "NS FLOPs", "el. / mean", "FLOPs / mean"],
+        )
+        mean_numel = ranks.real_numel / ranks.num_shards
+        mean_flops = ranks.ns_flops / ranks.num_shards
+        for load in ranks.shards:
+            per_rank.add_row(
+                str(load.shard),
+                str(load.num_params),
+                _count(load.numel),
+                _flops(load.ns_flops),
+                _ratio(load.numel / mean_numel if mean_numel else None),
+                _ratio(load.ns_flops / mean_flops if mean_flops else None),
+            )
+        console.print(per_rank)
+
+
+def _best(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def _render_compare(console, title: str, results: Sequence[PolicyResult]) -> None:
+    table = _table(
+        title,
+        ["policy", "buckets", "buffer size", "padding", "max/mean el.", "max/mean NS FLOPs",
+         "max rank NS FLOPs", "layout ms"],
+    )
+    summaries = [r.summary for r in results]
+    best_padding = _best([s.padding_pct for s in summaries])
+    best_numel = _best([s.numel_balance for s in summaries])
+    best_flops = _best([s.flops_balance for s in summaries])
+
+    def mark(text: str, value, best) -> str:
+        return f"[bold green]{text}[/]" if value is not None and value == best else text
+
+    for result in results:
+        s = result.summary
+        max_rank_flops = max((load.ns_flops for r in s.ranks for load in r.shards), default=0)
+        table.add_row(
+            result.policy + (" (default)" if result.policy == DEFAULT_POLICY else ""),
+            str(s.num_buckets),
+            _count(s.numel),
+            mark(_pct(s.padding_pct), s.padding_pct, best_padding),
+            mark(_ratio(s.numel_balance), s.numel_balance, best_numel),
+            mark(_ratio(s.flops_balance), s.flops_balance, best_flops),
+            _flops(max_rank_flops),
+            f"{result.layout_ms:.1f}",
+        )
+    console.print(table)
+
+
+def _compare_json(results: Sequence[PolicyResult]) -> list[dict]:
+    return [
+        {
+            "policy": r.policy,
+            "layout_ms": r.layout_ms,
+            "num_buckets": r.summary.num_buckets,
+            "numel": r.summary.numel,
+            "real_numel": r.summary.real_numel,
+            "padding_pct": r.summary.padding_pct,
+            "ns_flops": r.summary.ns_flops,
+            "numel_balance": r.summary.numel_balance,
+            "flops_balance": r.summary.flops_balance,
+        }
+        for r in results
+    ]
+
+
+def _json_text(obj, depth: int = 0) -> str:
+    """JSON with one entry per line, but lists of numbers kept on one line."""
+    pad, inner = " " * depth, " " * (depth + 1)
+    if isinstance(obj, dict) and obj:
+        items = (f"{inner}{json.dumps(k)}: {_json_text(v, depth + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, list) and any(isinstance(x, (dict, list)) for x in obj):
+        return "[\n" + ",\n".join(f"{inner}{_json_text(x, depth + 1)}" for x in obj) + f"\n{pad}]"
+    return json.dumps(obj)
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(_json_text(obj) + "\n")
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _load_spec_file(path: str):
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"--spec: cannot read {path}: {err.strerror or err}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--spec: {path} is not valid JSON: {err}") from None
+    return specs_from_json(obj)
+
+
+def _cmd_layout(args: argparse.Namespace) -> int:
+    """Show (or print as JSON) the layout of a preset or a spec file."""
+    if args.spec is not None and args.layers is not None:
+        raise ValueError("--layers applies to --preset only.")
+    if args.preset is not None:
+        specs = preset_specs(args.preset, layers=args.layers)
+        model = f"preset {args.preset}"
+    else:
+        specs = _load_spec_file(args.spec)
+        model = args.spec
+    options = dict(
+        bucket_size=args.bucket_size, high_busbw=args.high_busbw, expert_dp=args.expert_dp,
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32, num_ns_steps=args.ns_steps,
+    )
+    if args.compare:
+        results = compare_policies(specs, args.dp, **options)
+        if args.json:
+            _print_json(_compare_json(results))
+            return 0
+        total = sum(spec.numel for spec in specs)
+        title = (
+            f"Policies for {model}: {len(specs)} params, {_count(total)} elements, dp {args.dp}"
+            + (f", expert dp {args.expert_dp}" if args.expert_dp is not None else "")
+            + f", bucket size {args.bucket_size}, high busbw {'on' if args.high_busbw else 'off'}"
+        )
+        _render_compare(_console(), title, results)
+        return 0
+    if args.json and args.spec is not None and not args.full:
+        # One layer-wise buffer holding every parameter, exactly as the fixtures do.
+        layout = compute_layout(
+            specs, args.dp, policy=args.policy, bucket_size=args.bucket_size, high_busbw=args.high_busbw
+        )
+        _print_json(layout_to_json(layout))
+        return 0
+    result = evaluate_policy(specs, args.dp, policy=args.policy, **options)
+    if args.json:
+        _print_json(full_layout_to_json(result.layout))
+        return 0
+    console = _console()
+    total = sum(spec.numel for spec in specs)
+    console.print(
+        f"[bold]{model}[/]: {len(specs)} params, {_count(total)} elements · dp {args.dp}"
+        + (f" · expert dp {args.expert_dp}" if args.expert_dp is not None else "")
+        + f" · policy {args.policy} · bucket size {args.bucket_size}"
+        + f" · high busbw {'on' if args.high_busbw else 'off'} · {args.ns_steps} NS steps"
+    )
+    for i, buffer in enumerate(result.summary.buffers):
+        _render_buffer(console, i, buffer)
+    _render_summary(console, result.summary, result.layout_ms)
+    return 0
+
+
+def _add_layout_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "layout",
+        help="show how a model's parameters are laid out over data-parallel ranks",
+        description=(
+            "Lay a model's parameters out over data-parallel ranks and show buckets, per-shard loads "
+            "(elements and Newton-Schulz FLOPs), padding overhead and max/mean balance."
+        ),
+    )
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--preset", choices=tuple(PRESETS), help="a built-in model")
+    model.add_argument(
+        "--spec",
+        metavar="FILE.json",
+        help="parameters as JSON: a list of shapes, or the layout fixtures' 'params' list",
+    )
+    p.add_argument("--dp", type=int, required=True, help="data-parallel size (shards per bucket)")
+    p.add_argument(
+        "--policy", choices=POLICIES, default=DEFAULT_POLICY, help=f"layer-wise policy (default {DEFAULT_POLICY})"
+    )
+    p.add_argument(
+        "--bucket-size", "--ddp-bucket-size", dest="bucket_size", type=int, default=None, metavar="B",
+        help="bucket size in elements (a soft minimum for layer-wise buffers); default: one bucket per buffer",
+    )
+    p.add_argument(
+        "--high-busbw", "--ddp-pad-buckets-for-high-nccl-busbw", dest="high_busbw", action="store_true",
+        help="pad bucket ends to multiples of 2**16 for NCCL bus bandwidth",
+    )
+    p.add_argument("--layers", type=int, default=None, metavar="L", help="number of layers of the preset")
+    p.add_argument(
+        "--expert-dp", type=int, default=None, metavar="E",
+        help="data-parallel size of expert buffers (default: --dp)",
+    )
+    p.add_argument(
+        "--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True,
+        help="reduce gradients in fp32 (sets the buffers' grad dtype; default on)",
+    )
+    p.add_argument(
+        "--ns-steps", "--muon-num-ns-steps", dest="ns_steps", type=int, default=DEFAULT_NUM_NS_STEPS, metavar="K",
+        help=f"Newton-Schulz iterations per step for the FLOP counts (default {DEFAULT_NUM_NS_STEPS})",
+    )
+    p.add_argument("--compare", action="store_true", help="compare all policies side by side")
+    p.add_argument(
+        "--json", action="store_true",
+        help="print JSON: with --spec the single-buffer layout in the fixtures' 'expected' format; "
+        "with --preset (or --spec --full) every buffer",
+    )
+    p.add_argument("--full", action="store_true", help="with --spec --json: lay out every buffer, as for a preset")
+    p.set_defaults(command=_cmd_layout, command_name="layout")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lwjax", description="Megatron-Core's layer-wise distributed Muon optimizer in JAX.")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_layout_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lwjax`` command line; return the exit status.
+
+    Args:
+      argv: Arguments without the program name; ``None`` reads ``sys.argv``.
+
+    Returns:
+      0 on success, 2 on a user error (after printing one line on stderr).
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as err:
+        print(err, file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exit_:  # --help
+        return exit_.code if isinstance(exit_.code, int) else 0
+    try:
+        return args.command(args)
+    except ValueError as err:
+        print(f"lwjax {args.command_name}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # stdout was closed early, e.g. piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

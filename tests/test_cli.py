@@ -1,0 +1,239 @@
+"""The ``lwjax`` command line: fixture round trips, tables, --compare, user errors."""
+
+import doctest
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import lwjax.layout_report
+import lwjax.presets
+from lwjax.cli import main
+from lwjax.layout_report import full_layout_to_json, summarize_layout
+from lwjax.policies import POLICIES, compute_full_param_layout
+from lwjax.presets import PRESETS, preset_specs
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "layouts"
+POLICY_OF_VERSION = {"v1": "size_matching", "v2": "lpt", "v4": "ns_cost"}
+
+
+def _cases(name):
+    return json.loads((FIXTURES / name).read_text())["cases"]
+
+
+PER_BUFFER_CASES = [c for v in ("v1", "v2", "v4") for c in _cases(f"layout_{v}.json")]
+FULL_CASES = _cases("full_layout.json")
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _case_flags(case):
+    flags = ["--policy", POLICY_OF_VERSION[case["version"]], "--dp", str(case["dp"])]
+    if case["bucket_size"] is not None:
+        flags += ["--bucket-size", str(case["bucket_size"])]
+    if case["pad_buckets_for_high_nccl_busbw"]:
+        flags.append("--high-busbw")
+    return flags
+
+
+@pytest.mark.parametrize("case", PER_BUFFER_CASES, ids=[c["case_id"] for c in PER_BUFFER_CASES])
+def test_layout_json_reproduces_fixture(case, tmp_path, capsys):
+    spec = tmp_path / "params.json"
+    spec.write_text(json.dumps(case["params"]))
+    code, out, err = _run(capsys, "layout", "--spec", str(spec), *_case_flags(case), "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out) == case["expected"]
+
+
+def test_layout_json_accepts_megatron_flag_aliases_and_case_objects(tmp_path, capsys):
+    case = next(c for c in PER_BUFFER_CASES if c["bucket_size"] and c["pad_buckets_for_high_nccl_busbw"])
+    spec = tmp_path / "case.json"
+    spec.write_text(json.dumps(case))  # a whole fixture case: its "params" are read
+    flags = [
+        "--policy", POLICY_OF_VERSION[case["version"]], "--dp", str(case["dp"]),
+        "--ddp-bucket-size", str(case["bucket_size"]), "--ddp-pad-buckets-for-high-nccl-busbw",
+    ]
+    code, out, _ = _run(capsys, "layout", "--spec", str(spec), *flags, "--json")
+    assert code == 0 and json.loads(out) == case["expected"]
+
+
+@pytest.mark.parametrize("case", FULL_CASES, ids=[c["case_id"] for c in FULL_CASES])
+def test_layout_full_json_reproduces_full_layout_fixture(case, tmp_path, capsys):
+    spec = tmp_path / "params.json"
+    spec.write_text(json.dumps(case["params"]))
+    flags = _case_flags(case)
+    if case["expert_dp"] is not None:
+        flags += ["--expert-dp", str(case["expert_dp"])]
+    if not case["grad_reduce_in_fp32"]:
+        flags.append("--no-grad-reduce-in-fp32")
+    code, out, err = _run(capsys, "layout", "--spec", str(spec), *flags, "--json", "--full")
+    assert (code, err) == (0, "")
+    got = json.loads(out)["buffers"]
+    expected = case["expected"]["buffers"]
+    assert len(got) == len(expected)
+    for buffer, exp in zip(got, expected):
+        assert buffer == exp  # shard_of only for layer-wise buffers, in both
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_layout_compare_lists_every_policy(preset, capsys):
+    code, out, err = _run(capsys, "layout", "--preset", preset, "--dp", "8", "--layers", "2", "--compare")
+    assert (code, err) == (0, "")
+    for policy in POLICIES:
+        assert policy in out
+    for column in ("padding", "max/mean el.", "max/mean NS FLOPs", "buckets", "layout ms"):
+        assert column in out
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_layout_compare_json_on_full_presets(preset, capsys):
+    code, out, _ = _run(capsys, "layout", "--preset", preset, "--dp", "8", "--bucket-size", "40000000",
+                        "--compare", "--json")
+    rows = json.loads(out)
+    assert code == 0 and [r["policy"] for r in rows] == list(POLICIES)
+    total = sum(s.numel for s in preset_specs(preset))
+    for row in rows:
+        assert row["real_numel"] == total and row["numel"] >= total
+        assert row["padding_pct"] >= 0 and row["numel_balance"] >= 1 and row["layout_ms"] > 0
+
+
+def test_layout_table_shows_buffers_shards_and_summary(capsys):
+    code, out, err = _run(capsys, "layout", "--preset", "moe", "--layers", "2", "--dp", "4", "--expert-dp", "2")
+    assert (code, err) == (0, "")
+    assert "expert · layer-wise (Muon) · 2 shards" in out
+    assert "dense · elementwise (distributed optimizer) · 4 shards" in out
+    assert "shard 3" in out and "Model summary" in out and "Per rank, all 4-way buffers" in out
+    assert "ranks of 2-way buffers" in out
+
+
+def test_layout_preset_json_is_the_full_layout(capsys):
+    code, out, _ = _run(capsys, "layout", "--preset", "tied", "--layers", "1", "--dp", "2", "--policy", "lpt",
+                        "--json")
+    specs = preset_specs("tied", layers=1)
+    assert code == 0
+    assert json.loads(out) == full_layout_to_json(compute_full_param_layout(specs, 2, policy="lpt"))
+
+
+def test_layout_list_of_shapes_spec(tmp_path, capsys):
+    spec = tmp_path / "shapes.json"
+    spec.write_text(json.dumps([[256, 256], [256], [512, 128], [512, 128]]))
+    code, out, _ = _run(capsys, "layout", "--spec", str(spec), "--dp", "2", "--json")
+    layout = json.loads(out)
+    assert code == 0 and layout["shard_of"]["p2"] != layout["shard_of"]["p3"]
+    code, out, _ = _run(capsys, "layout", "--spec", str(spec), "--dp", "2")
+    assert code == 0 and "Model summary" in out
+
+
+def test_layout_summary_numbers(capsys):
+    specs = preset_specs("llama8b")
+    summary = summarize_layout(compute_full_param_layout(specs, 8), specs)
+    assert summary.real_numel == 8_030_261_248 and summary.padding_pct < 0.01
+    assert summary.numel_balance == pytest.approx(1.0, abs=1e-3)
+    assert summary.flops_balance == pytest.approx(1.0)
+
+
+USER_ERRORS = {
+    "dp_zero": (
+        "layout --preset llama8b --dp 0",
+        "lwjax layout: compute_full_param_layout: dp must be a positive integer; got dp=0.",
+    ),
+    "unknown_preset": ("layout --preset gpt5 --dp 8", "lwjax layout: argument --preset: invalid choice: 'gpt5'"),
+    "unknown_policy": (
+        "layout --preset tied --dp 2 --policy best",
+        "lwjax layout: argument --policy: invalid choice: 'best'",
+    ),
+    "dp_not_int": ("layout --preset tied --dp two", "lwjax layout: argument --dp: invalid int value: 'two'"),
+    "no_model": ("layout --dp 2", "lwjax layout: one of the arguments --preset --spec is required"),
+    "layers_zero": (
+        "layout --preset tied --dp 2 --layers 0",
+        "lwjax layout: preset tied: layers must be a positive integer",
+    ),
+    "bucket_zero": (
+        "layout --preset tied --dp 2 --bucket-size 0",
+        "lwjax layout: compute_full_param_layout: bucket_size must be None or a positive integer",
+    ),
+    "ns_steps_zero": (
+        "layout --preset tied --dp 2 --ns-steps 0",
+        "lwjax layout: evaluate_policy: num_ns_steps must be a positive integer",
+    ),
+    "missing_file": (
+        "layout --spec /nonexistent/model.json --dp 2",
+        "lwjax layout: --spec: cannot read /nonexistent/model.json",
+    ),
+    "unknown_command": ("frobnicate", "lwjax: argument COMMAND: invalid choice: 'frobnicate'"),
+    "no_command": ("", "lwjax: the following arguments are required: COMMAND"),
+}
+
+
+@pytest.mark.parametrize("command, message", USER_ERRORS.values(), ids=USER_ERRORS.keys())
+def test_user_errors_exit_2_with_one_line(command, message, capsys):
+    code, out, err = _run(capsys, *command.split())
+    assert code == 2 and out == ""
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "is not valid JSON"),
+        (json.dumps([[4, 4], [0]]), "params[1]: shape must be a list of positive integers; got [0]."),
+        (
+            json.dumps([{"name": "a", "shape": [4]}, {"name": "a", "shape": [4]}]),
+            "params[1] (a): duplicate parameter name",
+        ),
+    ],
+    ids=["bad_json", "bad_shape", "duplicate"],
+)
+def test_bad_spec_file_exits_2(content, message, tmp_path, capsys):
+    spec = tmp_path / "model.json"
+    spec.write_text(content)
+    code, out, err = _run(capsys, "layout", "--spec", str(spec), "--dp", "2", "--json")
+    assert code == 2 and out == "" and err.startswith("lwjax layout: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_layers_with_spec_is_an_error(tmp_path, capsys):
+    spec = tmp_path / "model.json"
+    spec.write_text("[[4, 4]]")
+    code, _, err = _run(capsys, "layout", "--spec", str(spec), "--dp", "2", "--layers", "3")
+    assert code == 2 and err == "lwjax layout: --layers applies to --preset only.\n"
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = _run(capsys, "layout", "--help")
+    assert code == 0 and "--ddp-bucket-size" in out and "--compare" in out
+
+
+def test_cli_and_layout_report_import_no_jax():
+    """The layout command runs with jax unimportable."""
+    code = (
+        "import sys; sys.modules['jax'] = None\n"
+        "import lwjax.presets, lwjax.layout_report, lwjax.cli\n"
+        "sys.exit(lwjax.cli.main(['layout', '--preset', 'tied', '--layers', '1', '--dp', '2', '--compare']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "size_matching" in result.stdout
+
+
+def test_console_script_runs():
+    script = pathlib.Path(sys.executable).parent / "lwjax"
+    if not script.exists():
+        pytest.skip("lwjax console script not installed in this environment")
+    result = subprocess.run([str(script), "layout", "--preset", "tied", "--dp", "0"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "lwjax layout: compute_full_param_layout: dp must be a positive integer; got dp=0.\n"
+
+
+@pytest.mark.parametrize("module", [lwjax.presets, lwjax.layout_report], ids=["presets", "layout_report"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
