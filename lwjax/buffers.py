@@ -251,10 +251,12 @@ def check_tree(plan: ParamPlan, tree, what: str) -> list:
     Raises:
       ValueError: naming the first mismatching path and what was expected.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
     if treedef != plan.treedef:
         raise ValueError(f"{what}: the tree does not match the parameters; expected {plan.treedef}, got {treedef}.")
     for route, leaf in zip(plan.routes, leaves):
+        if leaf is None:
+            continue
         if tuple(leaf.shape) != route.shape:
             raise ValueError(f"{what}: {route.path}: expected shape {route.shape}; got {tuple(leaf.shape)}.")
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -262,22 +264,27 @@ def check_tree(plan: ParamPlan, tree, what: str) -> list:
     return leaves
 
 
-def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[jax.Array, ...]:
+def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[jax.Array | None, ...]:
     """Pack a parameter-shaped pytree into its flat rank-major buffers (inverse of :func:`unpack`).
 
     Args:
       plan: The model's :class:`ParamPlan`.
-      tree: A pytree with the parameters' structure and shapes.
-      dtypes: Per buffer, the dtype to pack into; defaults to each buffer's
-        parameter dtype.
+      tree: A pytree with the parameters' structure and shapes. Leaves may be
+        ``None`` where every buffer holding them is skipped.
+      dtypes: Per buffer, the dtype to pack into, or ``None`` to skip the
+        buffer; defaults to each buffer's parameter dtype.
 
     Returns:
-      One 1-D array of ``buffer.numel`` elements per buffer, zero in padding.
+      One 1-D array of ``buffer.numel`` elements per buffer (``None`` for
+      skipped buffers), zero in padding.
     """
-    leaves = [jnp.ravel(x) for x in check_tree(plan, tree, "pack")]
+    dtypes = [b.key.param_dtype for b in plan.buffers] if dtypes is None else dtypes
+    leaves = [None if x is None else jnp.ravel(x) for x in check_tree(plan, tree, "pack")]
     out = []
-    for i, buffer in enumerate(plan.buffers):
-        dtype = jnp.dtype(dtypes[i] if dtypes is not None else buffer.key.param_dtype)
+    for buffer, dtype in zip(plan.buffers, dtypes):
+        if dtype is None:
+            out.append(None)
+            continue
         pieces, cursor = [], 0
         for seg in buffer.segments:
             if seg.buffer_offset > cursor:
@@ -290,23 +297,30 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[jax.Arr
     return tuple(out)
 
 
-def unpack(plan: ParamPlan, buffers: Sequence[jax.Array], dtypes: Sequence | None = None):
+def unpack(plan: ParamPlan, buffers: Sequence[jax.Array | None], dtypes: Sequence | None = None):
     """Rebuild the parameter pytree from flat rank-major buffers (inverse of :func:`pack`).
 
     Args:
       plan: The model's :class:`ParamPlan`.
-      buffers: One 1-D array of ``buffer.numel`` elements per buffer.
+      buffers: One 1-D array of ``buffer.numel`` elements per buffer, or
+        ``None``; leaves held by a ``None`` buffer come back as ``None``.
       dtypes: Per leaf, the dtype to return; defaults to the routed leaf dtype.
 
     Returns:
       The parameter pytree.
     """
-    pieces: list[list[tuple[int, jax.Array]]] = [[] for _ in plan.routes]
+    pieces: list[list[tuple[int, jax.Array]] | None] = [[] for _ in plan.routes]
     for buffer, flat in zip(plan.buffers, buffers):
         for seg in buffer.segments:
-            pieces[seg.leaf].append((seg.leaf_offset, flat[seg.buffer_offset : seg.buffer_offset + seg.numel]))
+            if flat is None:
+                pieces[seg.leaf] = None
+            elif pieces[seg.leaf] is not None:
+                pieces[seg.leaf].append((seg.leaf_offset, flat[seg.buffer_offset : seg.buffer_offset + seg.numel]))
     leaves = []
     for i, route in enumerate(plan.routes):
+        if pieces[i] is None:
+            leaves.append(None)
+            continue
         runs = [x for _, x in sorted(pieces[i], key=lambda p: p[0])]
         flat = jnp.concatenate(runs) if len(runs) > 1 else runs[0]
         dtype = dtypes[i] if dtypes is not None else route.dtype

@@ -353,3 +353,110 @@ def state_shardings(optimizer: LayerwiseOptimizer) -> LayerwiseState:
         optimizer.state_specs,
         is_leaf=lambda x: isinstance(x, P),
     )
+
+
+class LogicalState(NamedTuple):
+    """:class:`LayerwiseState` per parameter: independent of dp size, layout and policy.
+
+    ``masters`` is shaped like the parameters; ``momenta`` too, with ``None``
+    for non-Muon leaves; ``elementwise`` is the elementwise optax state whose
+    per-element leaves are parameter-shaped trees (``None`` for Muon leaves).
+    """
+
+    count: jax.Array  # shape=(), int32.
+    masters: Any
+    momenta: Any
+    elementwise: Any
+
+
+def logical_sharding(optimizer: LayerwiseOptimizer, x) -> NamedSharding:
+    """Where a logical (per-parameter) array lives: split on axis 0 over dp when it divides, else replicated."""
+    dp = optimizer.mesh.shape[optimizer.axis]
+    spec = P(optimizer.axis) if x.ndim and x.shape[0] % dp == 0 else P()
+    return NamedSharding(optimizer.mesh, spec)
+
+
+def _elementwise_buffers(optimizer: LayerwiseOptimizer) -> list[int]:
+    return [i for i, b in enumerate(optimizer.plan.buffers) if not b.key.is_layer_wise]
+
+
+def _is_block(spec: P) -> bool:
+    """Whether an elementwise-state leaf is a per-element block (else a replicated scalar)."""
+    return spec != P()
+
+
+def to_logical(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> LogicalState:
+    """Unpack a sharded :class:`LayerwiseState` into its per-parameter :class:`LogicalState`.
+
+    Inverse of :func:`from_logical`; the result restores at any dp size.
+    """
+    plan = optimizer.plan
+    lw = [b.key.is_layer_wise for b in plan.buffers]
+    dtypes = [jnp.dtype(m.dtype) for m in state.masters]
+
+    def convert(state):
+        masters = unpack(plan, state.masters, dtypes=[dtypes[0]] * len(plan.routes))
+        momenta = unpack(plan, [m if is_lw else None for m, is_lw in zip(state.momenta, lw)])
+        elementwise = None
+        owners = _elementwise_buffers(optimizer)
+        if owners:
+            per_buffer = [jax.tree.leaves(state.elementwise[i]) for i in owners]
+            specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]],
+                                              is_leaf=lambda x: isinstance(x, P))
+            leaves = []
+            for k, spec in enumerate(specs):
+                if _is_block(spec):
+                    flats = [None] * len(plan.buffers)
+                    for j, i in enumerate(owners):
+                        flats[i] = per_buffer[j][k]
+                    leaves.append(unpack(plan, flats, dtypes=[per_buffer[0][k].dtype] * len(plan.routes)))
+                else:
+                    leaves.append(per_buffer[0][k])
+            elementwise = jax.tree.unflatten(treedef, leaves)
+        return LogicalState(state.count, masters, momenta, elementwise)
+
+    shapes = jax.eval_shape(convert, state)
+    return jax.jit(convert, out_shardings=jax.tree.map(lambda x: logical_sharding(optimizer, x), shapes))(state)
+
+
+def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> LayerwiseState:
+    """Pack a :class:`LogicalState` into this optimizer's sharded :class:`LayerwiseState`.
+
+    Inverse of :func:`to_logical`. The logical state may come from an
+    optimizer with another dp size, layout policy or bucket size.
+    """
+    plan = optimizer.plan
+    lw = [b.key.is_layer_wise for b in plan.buffers]
+    owners = _elementwise_buffers(optimizer)
+
+    def convert(logical):
+        dtype = jax.tree.leaves(logical.masters)[0].dtype
+        masters = pack(plan, logical.masters, dtypes=[dtype] * len(plan.buffers))
+        momenta = pack(plan, logical.momenta, dtypes=[dtype if is_lw else None for is_lw in lw])
+        elementwise = [None] * len(plan.buffers)
+        if owners:
+            specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]],
+                                              is_leaf=lambda x: isinstance(x, P))
+            logical_leaves = jax.tree.flatten(logical.elementwise, is_leaf=lambda x: x is None)[0]
+            per_buffer = [[] for _ in plan.buffers]
+            cursor = 0
+            for spec in specs:
+                if _is_block(spec):
+                    n = len(plan.routes)
+                    tree = jax.tree.unflatten(plan.treedef, logical_leaves[cursor : cursor + n])
+                    cursor += n
+                    leaf_dtype = next(x.dtype for x in jax.tree.leaves(tree))
+                    flats = pack(plan, tree, dtypes=[leaf_dtype if i in owners else None for i in range(len(lw))])
+                    for i in owners:
+                        per_buffer[i].append(flats[i])
+                else:
+                    for i in owners:
+                        per_buffer[i].append(logical_leaves[cursor])
+                    cursor += 1
+            for i in owners:
+                elementwise[i] = jax.tree.unflatten(treedef, per_buffer[i])
+        return LayerwiseState(jnp.asarray(logical.count, jnp.int32), masters,
+                              tuple(m if is_lw else None for m, is_lw in zip(momenta, lw)), tuple(elementwise))
+
+    logical = jax.tree.map(lambda x: jax.device_put(x, logical_sharding(optimizer, x)), logical)
+    return jax.jit(convert, out_shardings=state_shardings(optimizer))(logical)

@@ -204,3 +204,30 @@ def test_bad_input_gets_clear_errors():
     wrong_shape = {**params, "w2": jnp.zeros((32, 5))}
     with pytest.raises(ValueError, match=r"w2: expected shape \(32, 4\); got \(32, 5\)"):
         opt.init(wrong_shape)
+
+
+@pytest.mark.parametrize("src,dst", [(4, 2), (2, 4), (1, 8), (8, 1)], ids=["4to2", "2to4", "1to8", "8to1"])
+def test_logical_state_reshards_and_training_continues_identically(src, dst):
+    from lwjax.optimizer import from_logical, to_logical
+
+    params, batch = _mlp_setup()
+    make = lambda dp, policy: layerwise_muon(params, mesh_of(dp), learning_rate=0.05, muon=MUON,  # noqa: E731
+                                             config=CONFIG, policy=policy, bucket_size=300)
+    a, b = make(src, "lpt"), make(dst, "size_matching")
+    step_a, step_b = make_train_step(_mlp_loss, a, donate=False), make_train_step(_mlp_loss, b, donate=False)
+    state = a.init(params)
+    p = params
+    for _ in range(2):
+        p, state, _ = step_a(p, state, batch)
+    logical = to_logical(a, state)
+    moved = from_logical(b, logical)
+    back = to_logical(b, moved)
+    for x, y in zip(jax.tree.leaves(logical), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert logical.momenta["b1"] is None and logical.elementwise[1]["w1"] is None
+    pa, sa, pb, sb = p, state, jax.device_put(p, NamedSharding(b.mesh, P())), moved
+    for _ in range(2):
+        pa, sa, _ = step_a(pa, sa, batch)
+        pb, sb, _ = step_b(pb, sb, batch)
+    for x, y in zip(jax.tree.leaves((pa, to_logical(a, sa))), jax.tree.leaves((pb, to_logical(b, sb)))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
