@@ -6,6 +6,7 @@ jax-free.
 """
 
 from importlib import import_module
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from lwjax.layout import BufferKey as BufferKey
@@ -16,7 +17,10 @@ from lwjax.policies import compute_full_param_layout as compute_full_param_layou
 from lwjax.policies import compute_layout as compute_layout
 from lwjax.routing import route_leaves as route_leaves
 
-__version__ = _version("lwjax")
+try:
+    __version__ = _version("lwjax")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "MuonConfig": "lwjax.muon",

@@ -1,73 +1,73 @@
-"""Flat parameter buffers: a pytree packed into one flat array per :class:`BufferKey`.
+"""Flat parameter buffers: a pytree packed into Megatron-ordered buckets, one set per :class:`BufferKey`.
 
 A :class:`ParamPlan` is everything static about a model's buffers: how leaves
 route (:mod:`lwjax.routing`), where each parameter sits (:mod:`lwjax.policies`)
 and, per data-parallel rank, which elements and whole matrices it owns.
 
-Buffer order is *rank-major*. A Megatron layout interleaves ranks bucket by
-bucket (bucket 0: shard 0, shard 1, ...; bucket 1: ...). Here rank ``r``'s
-shards of all buckets are stored next to each other, as one *block* of
-``block_numel`` elements, and the blocks follow each other in rank order:
+A buffer is a sequence of buckets, and bucket ``b`` is a flat array of
+``dp * S_b`` elements in Megatron's order: shard ``r`` (rank ``r``'s share) is
+the contiguous range ``[r S_b, (r + 1) S_b)``. So a bucket array sharded evenly
+over the dp axis puts exactly rank ``r``'s shard on device ``r``, one tiled
+``psum_scatter`` per bucket delivers each rank its reduced shard, and one tiled
+``all_gather`` per bucket rebuilds it. Optimizer state is stored the same way,
+one array per (buffer, bucket). Padding is zero and stays zero.
 
-.. math::
-
-   \\text{offset}(b, r, o) = r \\cdot S + \\sum_{b' < b} S_{b'} + o,
-   \\qquad S = \\sum_b S_b,
-
-where :math:`S_b` is bucket ``b``'s shard size and ``o`` the offset inside the
-shard. So a buffer sharded evenly over the dp axis puts exactly rank ``r``'s
-shards on device ``r``, and one tiled ``psum_scatter`` / ``all_gather`` moves
-all of them. Padding is zero and stays zero.
-
-:func:`pack` and :func:`unpack` are inverses; both are static slices,
-reshapes and one concatenation per buffer, so they trace once under ``jit``
-or ``shard_map`` and cost nothing per step in Python.
+:func:`pack` and :func:`unpack` are inverses; both are static slices, reshapes
+and one concatenation per bucket, so they trace once under ``jit`` or
+``shard_map`` and cost nothing per step in Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 
 from lwjax.layout import BufferKey, FullParamLayout, PerBufferParamLayout
 from lwjax.policies import DEFAULT_POLICY, LayoutPolicy, compute_full_param_layout
 from lwjax.routing import LeafRoute, param_specs, route_leaves
 
+Buckets = tuple[jax.Array | None, ...]
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A contiguous run of one parameter inside a buffer.
+    """One parameter inside a bucket.
 
     Attributes:
       leaf: Index of the leaf (pytree flatten order).
-      leaf_offset: Start of the run in the flattened leaf.
-      buffer_offset: Start of the run in the rank-major buffer.
-      numel: Length of the run.
+      leaf_offset: Start of the parameter in the flattened leaf.
+      bucket: The bucket holding it.
+      offset: Start of the parameter in the bucket's flat array.
+      numel: Number of elements.
     """
 
     leaf: int
     leaf_offset: int
-    buffer_offset: int
+    bucket: int
+    offset: int
     numel: int
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotGroup:
-    """Same-shape Muon matrices owned by each rank, for one batched Newton–Schulz.
+    """Same-shape Muon matrices of one bucket, per rank, for one batched Newton–Schulz.
 
     Attributes:
+      bucket: The bucket the matrices live in.
       shape: ``(rows, cols)`` of every matrix in the group, as stored.
       qkv_split_shapes: q/k/v rows per query group for fused QKV matrices.
       offsets: ``offsets[r][j]``: start of rank ``r``'s ``j``-th matrix inside
-        its block. Ranks owning fewer matrices than the group's width point the
-        spare slots at ``block_numel`` (a zero scratch area past the block).
+        its shard. Ranks owning fewer matrices than the group's width point the
+        spare slots at the shard size (a zero scratch area past the shard).
       names: ``names[r]``: the parameters behind rank ``r``'s real slots.
     """
 
+    bucket: int
     shape: tuple[int, int]
     qkv_split_shapes: tuple[int, ...] | None
     offsets: tuple[tuple[int, ...], ...]
@@ -81,34 +81,38 @@ class SlotGroup:
 
 @dataclasses.dataclass(frozen=True)
 class BufferPlan:
-    """One flat buffer: its key, layout and rank-major geometry.
+    """One flat buffer: its key, layout and per-bucket geometry.
 
     Attributes:
       key: The buffer's :class:`BufferKey`.
       layout: Its Megatron-style layout.
-      dp: Number of ranks (blocks).
-      block_numel: Elements per rank block (sum of the buckets' shard sizes).
-      segments: Every parameter run, ordered by ``buffer_offset``.
+      dp: Number of shards per bucket.
+      shard_sizes: Elements per shard, per bucket.
+      segments: Every parameter, ordered by (bucket, offset).
       slot_groups: For layer-wise buffers, the owned matrices grouped by
-        shape; empty for elementwise buffers.
-      no_decay: Per rank, ``(block_offset, numel)`` runs that weight decay skips
-        (elementwise buffers: biases and other 1-D parameters).
-      padding: Per rank, elements of its block that belong to no parameter.
+        bucket and shape; empty for elementwise buffers.
+      no_decay: ``no_decay[b][r]``: ``(shard_offset, numel)`` runs of rank
+        ``r``'s shard of bucket ``b`` that weight decay skips (1-D parameters).
+      padding: ``padding[b][r]``: elements of that shard that belong to no parameter.
     """
 
     key: BufferKey
     layout: PerBufferParamLayout
     dp: int
-    block_numel: int
+    shard_sizes: tuple[int, ...]
     segments: tuple[Segment, ...]
     slot_groups: tuple[SlotGroup, ...]
-    no_decay: tuple[tuple[tuple[int, int], ...], ...]
-    padding: tuple[int, ...]
+    no_decay: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
+    padding: tuple[tuple[int, ...], ...]
 
     @property
     def numel(self) -> int:
-        """Global buffer length, ``dp * block_numel``."""
-        return self.dp * self.block_numel
+        """Buffer length over all buckets, padding included."""
+        return self.layout.numel
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.shard_sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +131,6 @@ class ParamPlan:
     layout: FullParamLayout
     buffers: tuple[BufferPlan, ...]
 
-    @property
-    def dp(self) -> int:
-        """Dense data-parallel size."""
-        return max(b.dp for b in self.buffers if not b.key.is_expert_parallel)
-
 
 def leaf_records(tree) -> list[tuple]:
     """``(key_path, shape, dtype)`` of every leaf, in flatten order, for routing."""
@@ -139,65 +138,46 @@ def leaf_records(tree) -> list[tuple]:
     return [(path, tuple(leaf.shape), leaf.dtype) for path, leaf in flat]
 
 
-def _rank_major(layout: PerBufferParamLayout):
-    """Map a Megatron buffer offset to ``(rank, offset in the rank's block)``."""
-    shard_sizes = [layout.shard_size(b) for b in range(len(layout.bucket_indices))]
-    column = np.cumsum([0, *shard_sizes]).tolist()
-    block_numel = column[-1]
-
-    def runs(start: int, end: int, bucket: int):
-        """Split ``[start, end)`` at shard boundaries into ``(rank, block_offset, numel)``."""
-        bucket_start, _ = layout.bucket_indices[bucket]
-        size = shard_sizes[bucket]
-        while start < end:
-            rank = (start - bucket_start) // size
-            stop = min(end, bucket_start + (rank + 1) * size)
-            yield rank, column[bucket] + start - bucket_start - rank * size, stop - start
-            start = stop
-
-    return block_numel, runs
-
-
 def _buffer_plan(key: BufferKey, layout: PerBufferParamLayout, routes, where) -> BufferPlan:
     dp = layout.num_shards
-    block_numel, runs = _rank_major(layout)
-    segments, no_decay = [], [[] for _ in range(dp)]
+    sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
+    segments = []
+    no_decay = [[[] for _ in range(dp)] for _ in sizes]
+    used = [[0] * dp for _ in sizes]
     owned: dict[tuple, list[list[tuple[int, str]]]] = {}
-    used = [0] * dp
     for name, (start, end, bucket) in layout.param_index_map.items():
         leaf, index = where[name]
         route = routes[leaf]
-        param_numel = end - start
-        param_offset = 0
-        for rank, block_offset, numel in runs(start, end, bucket):
-            segments.append(
-                Segment(leaf, index * param_numel + param_offset, rank * block_numel + block_offset, numel)
-            )
-            used[rank] += numel
+        bucket_start, _ = layout.bucket_indices[bucket]
+        size = sizes[bucket]
+        segments.append(Segment(leaf, index * (end - start), bucket, start - bucket_start, end - start))
+        cursor = start - bucket_start
+        while cursor < end - bucket_start:  # the parameter's runs in each shard it touches
+            rank, stop = cursor // size, min(end - bucket_start, (cursor // size + 1) * size)
+            used[bucket][rank] += stop - cursor
             if len(route.param_shape) <= 1:
-                no_decay[rank].append((block_offset, numel))
-            param_offset += numel
+                no_decay[bucket][rank].append((cursor - rank * size, stop - cursor))
+            cursor = stop
         if key.is_layer_wise:
             rank = layout.shard_of(name)
-            group = owned.setdefault((route.param_shape, route.qkv_split_shapes), [[] for _ in range(dp)])
-            group[rank].append((segments[-1].buffer_offset - rank * block_numel, name))
+            group_key = (bucket, route.param_shape, route.qkv_split_shapes)
+            per_rank = owned.setdefault(group_key, [[] for _ in range(dp)])
+            per_rank[rank].append((start - bucket_start - rank * size, name))
     groups = []
-    for (shape, split), per_rank in sorted(owned.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
+    for (bucket, shape, split), per_rank in sorted(owned.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or ())):
         width = max(len(slots) for slots in per_rank)
-        offsets = tuple(
-            tuple(sorted(o for o, _ in slots)) + (block_numel,) * (width - len(slots)) for slots in per_rank
-        )
-        names = tuple(tuple(n for _, n in sorted(slots)) for slots in per_rank)
-        groups.append(SlotGroup(shape, split, offsets, names))
+        offsets = tuple(tuple(sorted(o for o, _ in s)) + (sizes[bucket],) * (width - len(s)) for s in per_rank)
+        names = tuple(tuple(n for _, n in sorted(s)) for s in per_rank)
+        groups.append(SlotGroup(bucket, shape, split, offsets, names))
     return BufferPlan(
         key=key,
         layout=layout,
         dp=dp,
-        block_numel=block_numel,
-        segments=tuple(sorted(segments, key=lambda s: s.buffer_offset)),
+        shard_sizes=sizes,
+        segments=tuple(sorted(segments, key=lambda s: (s.bucket, s.offset))),
         slot_groups=tuple(groups),
-        no_decay=tuple(tuple(runs_) for runs_ in no_decay),
-        padding=tuple(block_numel - u for u in used),
+        no_decay=tuple(tuple(tuple(runs) for runs in per_bucket) for per_bucket in no_decay),
+        padding=tuple(tuple(size - u for u in per_bucket) for size, per_bucket in zip(sizes, used)),
     )
 
 
@@ -264,8 +244,8 @@ def check_tree(plan: ParamPlan, tree, what: str) -> list:
     return leaves
 
 
-def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[jax.Array | None, ...]:
-    """Pack a parameter-shaped pytree into its flat rank-major buffers (inverse of :func:`unpack`).
+def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[Buckets | None, ...]:
+    """Pack a parameter-shaped pytree into its buffers' bucket arrays (inverse of :func:`unpack`).
 
     Args:
       plan: The model's :class:`ParamPlan`.
@@ -275,8 +255,8 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[jax.Arr
         buffer; defaults to each buffer's parameter dtype.
 
     Returns:
-      One 1-D array of ``buffer.numel`` elements per buffer (``None`` for
-      skipped buffers), zero in padding.
+      Per buffer, one 1-D array per bucket (``dp * S_b`` elements, Megatron
+      order, zero in padding), or ``None`` for skipped buffers.
     """
     dtypes = [b.key.param_dtype for b in plan.buffers] if dtypes is None else dtypes
     leaves = [None if x is None else jnp.ravel(x) for x in check_tree(plan, tree, "pack")]
@@ -285,44 +265,61 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[jax.Arr
         if dtype is None:
             out.append(None)
             continue
-        pieces, cursor = [], 0
+        # Each parameter is written into a zeroed bucket in place; XLA turns this into
+        # one copy kernel per parameter, where a many-operand concatenate runs far
+        # below memory bandwidth on GPU.
+        buckets = [jnp.zeros(buffer.dp * size, dtype) for size in buffer.shard_sizes]
         for seg in buffer.segments:
-            if seg.buffer_offset > cursor:
-                pieces.append(jnp.zeros(seg.buffer_offset - cursor, dtype))
-            pieces.append(leaves[seg.leaf][seg.leaf_offset : seg.leaf_offset + seg.numel].astype(dtype))
-            cursor = seg.buffer_offset + seg.numel
-        if buffer.numel > cursor:
-            pieces.append(jnp.zeros(buffer.numel - cursor, dtype))
-        out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+            run = leaves[seg.leaf][seg.leaf_offset : seg.leaf_offset + seg.numel].astype(dtype)
+            buckets[seg.bucket] = lax.dynamic_update_slice(buckets[seg.bucket], run, (seg.offset,))
+        out.append(tuple(buckets))
     return tuple(out)
 
 
-def unpack(plan: ParamPlan, buffers: Sequence[jax.Array | None], dtypes: Sequence | None = None):
-    """Rebuild the parameter pytree from flat rank-major buffers (inverse of :func:`pack`).
+def unpack(plan: ParamPlan, buffers: Sequence[Buckets | None], dtypes: Sequence | None = None):
+    """Rebuild the parameter pytree from bucket arrays (inverse of :func:`pack`).
 
     Args:
       plan: The model's :class:`ParamPlan`.
-      buffers: One 1-D array of ``buffer.numel`` elements per buffer, or
-        ``None``; leaves held by a ``None`` buffer come back as ``None``.
+      buffers: Per buffer, its bucket arrays, or ``None``; leaves held by a
+        ``None`` buffer come back as ``None``.
       dtypes: Per leaf, the dtype to return; defaults to the routed leaf dtype.
 
     Returns:
       The parameter pytree.
     """
-    pieces: list[list[tuple[int, jax.Array]] | None] = [[] for _ in plan.routes]
-    for buffer, flat in zip(plan.buffers, buffers):
+    segments: list[list[tuple[Segment, jax.Array]] | None] = [[] for _ in plan.routes]
+    for buffer, buckets in zip(plan.buffers, buffers):
         for seg in buffer.segments:
-            if flat is None:
-                pieces[seg.leaf] = None
-            elif pieces[seg.leaf] is not None:
-                pieces[seg.leaf].append((seg.leaf_offset, flat[seg.buffer_offset : seg.buffer_offset + seg.numel]))
+            if buckets is None:
+                segments[seg.leaf] = None
+            elif segments[seg.leaf] is not None:
+                segments[seg.leaf].append((seg, buckets[seg.bucket]))
     leaves = []
     for i, route in enumerate(plan.routes):
-        if pieces[i] is None:
+        if segments[i] is None:
             leaves.append(None)
             continue
-        runs = [x for _, x in sorted(pieces[i], key=lambda p: p[0])]
-        flat = jnp.concatenate(runs) if len(runs) > 1 else runs[0]
         dtype = dtypes[i] if dtypes is not None else route.dtype
-        leaves.append(flat.reshape(route.shape).astype(dtype))
+        leaves.append(_read_leaf(sorted(segments[i], key=lambda p: p[0].leaf_offset), route.shape).astype(dtype))
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _read_leaf(runs: list[tuple[Segment, jax.Array]], shape: tuple[int, ...]) -> jax.Array:
+    """Read one leaf's parameters (in leaf order) out of their bucket arrays.
+
+    Stacked parameters of one bucket are read with one gather of whole rows
+    (a many-operand concatenate runs far below memory bandwidth on GPU).
+    """
+    if len(runs) == 1:
+        seg, bucket = runs[0]
+        return bucket[seg.offset : seg.offset + seg.numel].reshape(shape)
+    numel = runs[0][0].numel
+    parts = []
+    for bucket, group in itertools.groupby(runs, key=lambda r: id(r[1])):
+        group = list(group)
+        starts = jnp.asarray([seg.offset for seg, _ in group], jnp.int32)
+        array = group[0][1]
+        parts.append(jax.vmap(lambda start, array=array: lax.dynamic_slice(array, (start,), (numel,)))(starts))
+    rows = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return rows.reshape(shape)

@@ -1,24 +1,27 @@
 """The layer-wise distributed optimizer: ZeRO-1 communication, Muon on whole matrices.
 
 Who holds what. Parameters (in their compute dtype, e.g. bf16) are replicated
-on every device of the data-parallel axis. Everything else is split by
-:class:`~lwjax.buffers.ParamPlan` blocks: device ``r`` holds block ``r`` of
-every buffer, i.e. the fp32 master weights, Muon momentum and elementwise
-(AdamW) moments of exactly the parameters rank ``r`` owns. A Muon matrix is
-always owned whole, so Newton–Schulz runs locally on full matrices.
+on every device of the data-parallel axis. Everything else lives in Megatron's
+buckets (:mod:`lwjax.buffers`), one array per (buffer, bucket) sharded over
+dp: device ``r`` holds shard ``r`` of every bucket, i.e. the fp32 master
+weights, Muon momentum and elementwise (AdamW) moments of exactly the
+parameters rank ``r`` owns. A Muon matrix is always owned whole, so
+Newton–Schulz runs locally on full matrices.
 
 One step (:func:`update`, inside ``shard_map`` over the dp axis):
 
 1. pack the device's local gradients into flat buffers (gradient dtype);
-2. ``psum_scatter``: rank ``r`` receives the dp-mean of its block;
-3. global gradient norm from one ``psum`` of per-block squared sums (each
-   element lives in exactly one block, so nothing is counted twice); clip with
+2. ``psum_scatter`` per bucket: rank ``r`` receives the dp-mean of its shards;
+3. global gradient norm from one ``psum`` of per-shard squared sums (each
+   element lives in exactly one shard, so nothing is counted twice); clip with
    :math:`c = \\min(1, \\text{clip} / (\\lVert g \\rVert + 10^{-6}))`; count zeros;
 4. update owned state: Muon on the owned matrices, batched per shape group;
    the elementwise transform (Adam by default) plus decoupled weight decay on
-   the flat elementwise blocks. A non-finite norm skips this (state unchanged);
-5. cast masters to the parameter dtype and ``all_gather`` them back into the
-   replicated parameter pytree.
+   the flat elementwise shards. A non-finite norm keeps the old state;
+5. cast masters to the parameter dtype and ``all_gather`` them, bucket by
+   bucket, back into the replicated parameter pytree. Each bucket's gather
+   depends only on its own updates, so XLA may overlap it with later buckets'
+   Newton–Schulz.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ class LayerwiseState(NamedTuple):
     """State of :func:`layerwise_muon`; arrays only, sharded over the dp axis."""
 
     count: jax.Array  # shape=(), int32: applied (not skipped) steps.
-    masters: tuple[jax.Array, ...]  # per buffer: fp32 master weights, global [dp * block].
-    momenta: tuple[jax.Array | None, ...]  # per buffer: Muon momentum (layer-wise buffers) or None.
-    elementwise: tuple[Any, ...]  # per buffer: elementwise optax state (other buffers) or None.
+    masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 masters, global [dp * S_b].
+    momenta: tuple[tuple[jax.Array, ...] | None, ...]  # [buffer][bucket]: Muon momentum; None if elementwise.
+    elementwise: tuple[tuple[Any, ...] | None, ...]  # [buffer][bucket]: optax state; None if layer-wise.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,61 +126,70 @@ def _rank_row(rows, rank, dtype=np.int32):
     return _rank_table(rows, dtype)[rank]
 
 
-def _decay_mask(buffer: BufferPlan, rank) -> jax.Array | float:
-    """1.0 where weight decay applies in this rank's block, 0.0 on no-decay runs."""
-    if not any(buffer.no_decay):
+def _decay_mask(buffer: BufferPlan, bucket: int, rank) -> jax.Array | float:
+    """1.0 where weight decay applies in this rank's shard of ``bucket``, 0.0 on no-decay runs."""
+    per_rank = buffer.no_decay[bucket]
+    size = buffer.shard_sizes[bucket]
+    if not any(per_rank):
         return 1.0
     lengths, flags = [], []
-    for runs in buffer.no_decay:
+    for runs in per_rank:
         row_len, row_flag, cursor = [], [], 0
         for start, numel in sorted(runs):
             row_len += [start - cursor, numel]
             row_flag += [1.0, 0.0]
             cursor = start + numel
-        row_len.append(buffer.block_numel - cursor)
-        row_flag.append(1.0)
-        lengths.append(row_len)
-        flags.append(row_flag)
+        lengths.append(row_len + [size - cursor])
+        flags.append(row_flag + [1.0])
     width = max(len(r) for r in lengths)
     lengths = [r + [0] * (width - len(r)) for r in lengths]
     flags = [r + [1.0] * (width - len(r)) for r in flags]
-    return jnp.repeat(
-        jnp.asarray(_rank_row(flags, rank, np.float32)),
-        jnp.asarray(_rank_row(lengths, rank)),
-        total_repeat_length=buffer.block_numel,
-    )
+    # Behind an optimization barrier: a constant mask would be constant-folded by XLA
+    # at compile time, which is slow for large shards.
+    flags, lengths = lax.optimization_barrier((_rank_table(flags, np.float32)[rank], _rank_table(lengths)[rank]))
+    return jnp.repeat(flags, lengths, total_repeat_length=size)
 
 
-def _muon_block(buffer, master, momentum, grad, rank, lr, weight_decay, muon_config, transpose):
-    """Muon on every whole matrix this rank owns in one layer-wise block."""
-    spare = max(m * n for m, n in (g.shape for g in buffer.slot_groups))
-    extend = lambda x: jnp.concatenate([x, jnp.zeros(spare, x.dtype)])  # noqa: E731
-    master, momentum, grad = extend(master), extend(momentum), extend(grad)
-    for group in buffer.slot_groups:
+def _muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight_decay, muon_config, transpose):
+    """Muon on every whole matrix this rank owns in its shard of one layer-wise bucket.
+
+    Matrices are read with one gather per shape group and written back in
+    place. Returns the new master and momentum shards (the old ones where
+    ``finite`` is false) and the sum of squared master changes.
+    """
+    groups = [g for g in buffer.slot_groups if g.bucket == bucket]
+    size = buffer.shard_sizes[bucket]
+    delta_sq = jnp.zeros([], master.dtype)
+    # Ranks owning fewer matrices of a shape read and write spare slots in a zero scratch area.
+    spare = any(size in row for g in groups for row in g.offsets)
+    if spare:
+        scratch = max(m * n for m, n in (g.shape for g in groups))
+        extend = lambda x: jnp.concatenate([x, jnp.zeros(scratch, x.dtype)])  # noqa: E731
+        master, momentum, grad = extend(master), extend(momentum), extend(grad)
+    for group in groups:
         m, n = group.shape
-        offsets = _rank_row(group.offsets, rank)
+        offsets = jnp.asarray(_rank_row(group.offsets, rank), jnp.int32)
 
         def take(flat, offsets=offsets, m=m, n=n):
-            rows = [lax.dynamic_slice(flat, (offsets[j],), (m * n,)) for j in range(group.width)]
-            x = jnp.stack(rows).reshape(group.width, m, n)
+            x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets)
+            x = x.reshape(-1, m, n)
             return jnp.swapaxes(x, -1, -2) if transpose else x
 
+        old_p, old_m = take(master), take(momentum)
         new_p, new_m = muon_lib.muon_update(
-            take(master),
-            take(grad),
-            take(momentum),
-            learning_rate=lr,
-            weight_decay=weight_decay,
-            config=muon_config,
+            old_p, take(grad), old_m, learning_rate=lr, weight_decay=weight_decay, config=muon_config,
             qkv_split_shapes=group.qkv_split_shapes,
         )
+        new_p, new_m = jnp.where(finite, new_p, old_p), jnp.where(finite, new_m, old_m)
+        delta_sq += jnp.sum(jnp.square(new_p - old_p))
         if transpose:
             new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
         for j in range(group.width):
             master = lax.dynamic_update_slice(master, new_p[j].reshape(-1), (offsets[j],))
             momentum = lax.dynamic_update_slice(momentum, new_m[j].reshape(-1), (offsets[j],))
-    size = buffer.block_numel
-    return master[:size], momentum[:size]
+    if spare:
+        master, momentum = master[:size], momentum[:size]
+    return master, momentum, delta_sq
 
 
 def layerwise_muon(
@@ -253,29 +265,37 @@ def layerwise_muon(
         muon.scale_mode != "spectral" or any(r.qkv_split_shapes for r in plan.routes)
     )
     real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
-    padding_per_rank = [sum(b.padding[r] for b in plan.buffers) for r in range(dp)]
+    padding_per_rank = [sum(p[r] for b in plan.buffers for p in b.padding) for r in range(dp)]
 
     def local_init(params):
         rank = lax.axis_index(axis)
-        buffers = pack(plan, params, dtypes=[master_dtype] * len(plan.buffers))
+        packed = pack(plan, params, dtypes=[master_dtype] * len(plan.buffers))
         masters = tuple(
-            lax.dynamic_slice(flat, (rank * b.block_numel,), (b.block_numel,)) for b, flat in zip(plan.buffers, buffers)
+            tuple(lax.dynamic_slice(flat, (rank * size,), (size,)) for flat, size in zip(buckets, b.shard_sizes))
+            for b, buckets in zip(plan.buffers, packed)
         )
-        momenta = tuple(jnp.zeros_like(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, masters))
-        states = tuple(None if b.key.is_layer_wise else tx.init(m) for b, m in zip(plan.buffers, masters))
+        momenta = tuple(
+            tuple(jnp.zeros_like(m) for m in ms) if b.key.is_layer_wise else None for b, ms in zip(plan.buffers, masters)
+        )
+        states = tuple(
+            None if b.key.is_layer_wise else tuple(tx.init(m) for m in ms) for b, ms in zip(plan.buffers, masters)
+        )
         return LayerwiseState(jnp.zeros([], jnp.int32), masters, momenta, states)
 
-    def block_spec(buffer):
-        local = jax.ShapeDtypeStruct((buffer.block_numel,), master_dtype)
-        if buffer.key.is_layer_wise:
-            return None
+    def shard_spec(local):
+        """``P(axis)`` for leaves shaped like a shard, ``P()`` for scalars."""
         return jax.tree.map(lambda x: P(axis) if x.shape == local.shape else P(), jax.eval_shape(tx.init, local))
 
     state_specs = LayerwiseState(
         count=P(),
-        masters=tuple(P(axis) for _ in plan.buffers),
-        momenta=tuple(P(axis) if b.key.is_layer_wise else None for b in plan.buffers),
-        elementwise=tuple(block_spec(b) for b in plan.buffers),
+        masters=tuple(tuple(P(axis) for _ in b.shard_sizes) for b in plan.buffers),
+        momenta=tuple(tuple(P(axis) for _ in b.shard_sizes) if b.key.is_layer_wise else None for b in plan.buffers),
+        elementwise=tuple(
+            None
+            if b.key.is_layer_wise
+            else tuple(shard_spec(jax.ShapeDtypeStruct((size,), master_dtype)) for size in b.shard_sizes)
+            for b in plan.buffers
+        ),
     )
 
     @jax.jit
@@ -283,27 +303,43 @@ def layerwise_muon(
         check_tree(plan, params, "init(params)")
         return jax.shard_map(local_init, mesh=mesh, in_specs=(P(),), out_specs=state_specs, check_vma=False)(params)
 
-    def apply_updates(state: LayerwiseState, grads, rank):
-        """Phase 4: new masters and optimizer state for this rank's blocks."""
+    def apply_updates(state: LayerwiseState, grads, rank, finite):
+        """Phase 4: new masters and optimizer state for this rank's shards.
+
+        Where ``finite`` is false every array keeps its old value; the select is
+        fused into each update rather than branched on, so no host round trip
+        stalls the all-gathers. Also returns the sum of squared master changes.
+        """
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
-        masters, momenta, states = [], [], []
-        for buffer, master, momentum, tx_state, grad in zip(
+        masters, momenta, states, delta_sq = [], [], [], jnp.zeros([], master_dtype)
+        for buffer, b_masters, b_momenta, b_states, b_grads in zip(
             plan.buffers, state.masters, state.momenta, state.elementwise, grads
         ):
             if buffer.key.is_layer_wise:
-                new_master, new_momentum = _muon_block(
-                    buffer, master, momentum, grad, rank, lr_m, config.weight_decay, muon, transpose
-                )
-                masters.append(new_master)
-                momenta.append(new_momentum)
+                new = [
+                    _muon_shard(buffer, k, master, momentum, grad, rank, finite, lr_m, config.weight_decay, muon,
+                                transpose)
+                    for k, (master, momentum, grad) in enumerate(zip(b_masters, b_momenta, b_grads))
+                ]
+                masters.append(tuple(p for p, _, _ in new))
+                momenta.append(tuple(m for _, m, _ in new))
                 states.append(None)
+                delta_sq += sum(d for _, _, d in new)
             else:
-                direction, tx_state = tx.update(grad, tx_state, master)
-                decay = config.weight_decay * _decay_mask(buffer, rank)
-                masters.append(master - lr_a * (direction + decay * master))
+                new_masters, new_states = [], []
+                for k, (master, tx_state, grad) in enumerate(zip(b_masters, b_states, b_grads)):
+                    direction, new_tx_state = tx.update(grad, tx_state, master)
+                    decay = config.weight_decay * _decay_mask(buffer, k, rank)
+                    new_master = keep(master - lr_a * (direction + decay * master), master)
+                    delta_sq += jnp.sum(jnp.square(new_master - master))
+                    new_masters.append(new_master)
+                    new_states.append(jax.tree.map(keep, new_tx_state, tx_state))
+                masters.append(tuple(new_masters))
                 momenta.append(None)
-                states.append(tx_state)
-        return LayerwiseState(state.count + 1, tuple(masters), tuple(momenta), tuple(states))
+                states.append(tuple(new_states))
+        count = keep(state.count + 1, state.count)
+        return LayerwiseState(count, tuple(masters), tuple(momenta), tuple(states)), delta_sq
 
     def update(grads, state: LayerwiseState, params):
         check_tree(plan, grads, "update(grads)")
@@ -311,26 +347,27 @@ def layerwise_muon(
         # 1. Pack local gradients, scaled for a dp-mean, in the reduction dtype.
         grad_dtypes = [b.key.grad_dtype for b in plan.buffers]
         packed = pack(plan, jax.tree.map(lambda g: g.astype(master_dtype) / dp, grads), dtypes=grad_dtypes)
-        # 2. Reduce-scatter: this rank's block of every buffer, summed over dp.
-        blocks = [lax.psum_scatter(flat, axis, tiled=True).astype(master_dtype) for flat in packed]
-        # 3. Global norm, clipping and zero count from one psum of per-block sums.
+        # 2. Reduce-scatter each bucket: this rank's shard, summed over dp.
+        shards = [tuple(lax.psum_scatter(flat, axis, tiled=True).astype(master_dtype) for flat in b) for b in packed]
+        flat_shards = [x for b in shards for x in b]
+        # 3. Global norm, clipping and zero count from one psum of per-shard sums.
         padding = _rank_row([[p] for p in padding_per_rank], rank)[0]
-        sq_sum = sum(jnp.sum(jnp.square(b)) for b in blocks)
-        zeros = sum(jnp.sum(b == 0, dtype=jnp.int32) for b in blocks) - padding
+        sq_sum = sum(jnp.sum(jnp.square(x)) for x in flat_shards)
+        zeros = sum(jnp.sum(x == 0, dtype=jnp.int32) for x in flat_shards) - padding
         sq_sum, zeros = lax.psum((sq_sum, zeros), axis)
         grad_norm = jnp.sqrt(sq_sum)
         finite = jnp.isfinite(grad_norm)
         clip_coef = jnp.ones([], master_dtype)
         if config.clip_grad:
             clip_coef = jnp.minimum(1.0, config.clip_grad / (grad_norm + CLIP_EPS)).astype(master_dtype)
-            blocks = [b * clip_coef for b in blocks]
-        # 4. Update owned state; a non-finite norm keeps the state as it was.
-        new_state = lax.cond(finite, lambda s: apply_updates(s, blocks, rank), lambda s: s, state)
-        delta_sq = sum(jnp.sum(jnp.square(new - old)) for new, old in zip(new_state.masters, state.masters))
+            shards = [tuple(x * clip_coef for x in b) for b in shards]
+        # 4. Update owned state; a non-finite norm keeps the old state.
+        new_state, delta_sq = apply_updates(state, shards, rank, finite)
         update_rms = jnp.sqrt(lax.psum(delta_sq, axis) / real_numel)
-        # 5. Masters in parameter dtype, all-gathered back into the pytree.
+        # 5. Masters in parameter dtype, all-gathered bucket by bucket into the pytree.
         gathered = [
-            lax.all_gather(m.astype(b.key.param_dtype), axis, tiled=True) for b, m in zip(plan.buffers, new_state.masters)
+            tuple(lax.all_gather(m.astype(b.key.param_dtype), axis, tiled=True) for m in ms)
+            for b, ms in zip(plan.buffers, new_state.masters)
         ]
         leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
         new_params = unpack(plan, gathered, dtypes=leaf_dtypes)
@@ -380,8 +417,8 @@ def _elementwise_buffers(optimizer: LayerwiseOptimizer) -> list[int]:
     return [i for i, b in enumerate(optimizer.plan.buffers) if not b.key.is_layer_wise]
 
 
-def _is_block(spec: P) -> bool:
-    """Whether an elementwise-state leaf is a per-element block (else a replicated scalar)."""
+def _is_sharded(spec: P) -> bool:
+    """Whether an elementwise-state leaf is per element (sharded) rather than a replicated scalar."""
     return spec != P()
 
 
@@ -391,27 +428,26 @@ def to_logical(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> LogicalS
     Inverse of :func:`from_logical`; the result restores at any dp size.
     """
     plan = optimizer.plan
-    lw = [b.key.is_layer_wise for b in plan.buffers]
-    dtypes = [jnp.dtype(m.dtype) for m in state.masters]
+    owners = _elementwise_buffers(optimizer)
 
     def convert(state):
-        masters = unpack(plan, state.masters, dtypes=[dtypes[0]] * len(plan.routes))
-        momenta = unpack(plan, [m if is_lw else None for m, is_lw in zip(state.momenta, lw)])
+        dtype = jax.tree.leaves(state.masters)[0].dtype
+        masters = unpack(plan, state.masters, dtypes=[dtype] * len(plan.routes))
+        momenta = unpack(plan, state.momenta)
         elementwise = None
-        owners = _elementwise_buffers(optimizer)
         if owners:
-            per_buffer = [jax.tree.leaves(state.elementwise[i]) for i in owners]
-            specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]],
+            # Per leaf position of the optax state: its shards of every elementwise bucket.
+            specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]][0],
                                               is_leaf=lambda x: isinstance(x, P))
+            per_bucket = {i: [jax.tree.leaves(s) for s in state.elementwise[i]] for i in owners}
             leaves = []
             for k, spec in enumerate(specs):
-                if _is_block(spec):
-                    flats = [None] * len(plan.buffers)
-                    for j, i in enumerate(owners):
-                        flats[i] = per_buffer[j][k]
-                    leaves.append(unpack(plan, flats, dtypes=[per_buffer[0][k].dtype] * len(plan.routes)))
+                if _is_sharded(spec):
+                    flats = [tuple(b[k] for b in per_bucket[i]) if i in owners else None
+                             for i in range(len(plan.buffers))]
+                    leaves.append(unpack(plan, flats, dtypes=[per_bucket[owners[0]][0][k].dtype] * len(plan.routes)))
                 else:
-                    leaves.append(per_buffer[0][k])
+                    leaves.append(per_bucket[owners[0]][0][k])
             elementwise = jax.tree.unflatten(treedef, leaves)
         return LogicalState(state.count, masters, momenta, elementwise)
 
@@ -435,28 +471,26 @@ def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> Layerw
         momenta = pack(plan, logical.momenta, dtypes=[dtype if is_lw else None for is_lw in lw])
         elementwise = [None] * len(plan.buffers)
         if owners:
-            specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]],
+            specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]][0],
                                               is_leaf=lambda x: isinstance(x, P))
             logical_leaves = jax.tree.flatten(logical.elementwise, is_leaf=lambda x: x is None)[0]
-            per_buffer = [[] for _ in plan.buffers]
-            cursor = 0
+            per_leaf, cursor = [], 0  # per optax-state leaf: {buffer: bucket arrays} or a scalar
             for spec in specs:
-                if _is_block(spec):
+                if _is_sharded(spec):
                     n = len(plan.routes)
                     tree = jax.tree.unflatten(plan.treedef, logical_leaves[cursor : cursor + n])
                     cursor += n
                     leaf_dtype = next(x.dtype for x in jax.tree.leaves(tree))
-                    flats = pack(plan, tree, dtypes=[leaf_dtype if i in owners else None for i in range(len(lw))])
-                    for i in owners:
-                        per_buffer[i].append(flats[i])
+                    per_leaf.append(pack(plan, tree, dtypes=[leaf_dtype if i in owners else None for i in range(len(lw))]))
                 else:
-                    for i in owners:
-                        per_buffer[i].append(logical_leaves[cursor])
+                    per_leaf.append(logical_leaves[cursor])
                     cursor += 1
             for i in owners:
-                elementwise[i] = jax.tree.unflatten(treedef, per_buffer[i])
-        return LayerwiseState(jnp.asarray(logical.count, jnp.int32), masters,
-                              tuple(m if is_lw else None for m, is_lw in zip(momenta, lw)), tuple(elementwise))
+                elementwise[i] = tuple(
+                    jax.tree.unflatten(treedef, [x[i][k] if _is_sharded(spec) else x for x, spec in zip(per_leaf, specs)])
+                    for k in range(plan.buffers[i].num_buckets)
+                )
+        return LayerwiseState(jnp.asarray(logical.count, jnp.int32), masters, momenta, tuple(elementwise))
 
     logical = jax.tree.map(lambda x: jax.device_put(x, logical_sharding(optimizer, x)), logical)
     return jax.jit(convert, out_shardings=state_shardings(optimizer))(logical)

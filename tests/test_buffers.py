@@ -29,13 +29,22 @@ def test_pack_unpack_round_trip(policy, dp):
     params = stacked_params()
     plan = make_plan(params, dp, policy=policy, bucket_size=300, stacked=STACK)
     buffers = pack(plan, params)
-    assert [b.shape for b in buffers] == [(p.numel,) for p in plan.buffers]
+    for buckets, buffer in zip(buffers, plan.buffers):
+        assert [b.shape for b in buckets] == [(end - start,) for start, end in buffer.layout.bucket_indices]
     back = unpack(plan, buffers)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Padding is zero: the buffers hold exactly the parameters' elements.
     total = sum(float(jnp.sum(jnp.abs(x))) for x in jax.tree.leaves(params))
-    assert np.isclose(sum(float(jnp.sum(jnp.abs(b))) for b in buffers), total, rtol=1e-6)
+    assert np.isclose(sum(float(jnp.sum(jnp.abs(b))) for bs in buffers for b in bs), total, rtol=1e-6)
+    # Bucket arrays are Megatron's buffer, bucket by bucket.
+    for buckets, buffer in zip(buffers, plan.buffers):
+        whole = np.concatenate([np.asarray(b) for b in buckets])
+        for route, leaf in zip(plan.routes, jax.tree.leaves(params)):
+            for i, name in enumerate(route.param_names()):
+                if name in buffer.layout.param_index_map:
+                    start, end, _ = buffer.layout.param_index_map[name]
+                    np.testing.assert_array_equal(whole[start:end], np.asarray(leaf).reshape(-1)[i * (end - start):(i + 1) * (end - start)])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -44,22 +53,25 @@ def test_rank_blocks_hold_exactly_the_owned_matrices(policy, dp):
     params = stacked_params()
     plan = make_plan(params, dp, policy=policy, bucket_size=300, stacked=STACK)
     (buffer,) = [b for b in plan.buffers if b.key.is_layer_wise]
-    flat = np.asarray(pack(plan, params)[plan.buffers.index(buffer)])
+    buckets = [np.asarray(b) for b in pack(plan, params)[plan.buffers.index(buffer)]]
     by_name = {}
     for route, leaf in zip(plan.routes, jax.tree.leaves(params)):
         for i, name in enumerate(route.param_names()):
             by_name[name] = np.asarray(leaf).reshape(-1, *route.param_shape)[i] if route.stack_dims else np.asarray(leaf)
     seen = []
+    assert buffer.num_buckets > 1
     for group in buffer.slot_groups:
         m, n = group.shape
+        size = buffer.shard_sizes[group.bucket]
         for rank in range(dp):
-            block = flat[rank * buffer.block_numel : (rank + 1) * buffer.block_numel]
+            shard = buckets[group.bucket][rank * size : (rank + 1) * size]
             for offset, name in zip(group.offsets[rank], group.names[rank]):
                 assert buffer.layout.shard_of(name) == rank
-                np.testing.assert_array_equal(block[offset : offset + m * n].reshape(m, n), by_name[name])
+                assert buffer.layout.param_index_map[name][2] == group.bucket
+                np.testing.assert_array_equal(shard[offset : offset + m * n].reshape(m, n), by_name[name])
                 seen.append(name)
             spare = group.offsets[rank][len(group.names[rank]) :]
-            assert all(o == buffer.block_numel for o in spare)
+            assert all(o == size for o in spare)
     assert sorted(seen) == sorted(buffer.layout.param_index_map)
 
 
@@ -67,7 +79,7 @@ def test_pack_casts_and_is_jittable():
     params = stacked_params()
     plan = make_plan(params, 4, stacked=STACK)
     packed = jax.jit(lambda p: pack(plan, p, dtypes=["bfloat16"] * len(plan.buffers)))(params)
-    assert all(b.dtype == jnp.bfloat16 for b in packed)
+    assert all(b.dtype == jnp.bfloat16 for bs in packed for b in bs)
     back = jax.jit(lambda b: unpack(plan, b))(packed)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         assert a.dtype == jnp.float32

@@ -102,6 +102,7 @@ def test_step_uses_reduce_scatter_and_all_gather_not_all_reduce():
     gathered = sum(b.numel for b in opt.plan.buffers)
     scattered = [s for s, k in ops if k == "reduce-scatter"]
     assert sum(int(d) for s in scattered for d in re.findall(r"\[(\d+)\]", s)) * 4 == gathered
+    assert len(scattered) == sum(b.num_buckets for b in opt.plan.buffers) > len(opt.plan.buffers)
 
 
 def test_state_holds_only_this_devices_share():
@@ -146,7 +147,7 @@ def test_bf16_params_come_back_as_rounded_fp32_masters():
     params1, state1, _ = _step_fn(opt)(params, opt.init(params), _stacked(opt, random_grads(params, 4, 1)[0]))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params1))
     from lwjax.buffers import unpack
-    gathered = [np.asarray(m) for m in state1.masters]
+    gathered = [tuple(np.asarray(m) for m in ms) for ms in state1.masters]
     masters = unpack(opt.plan, gathered, dtypes=[np.float32] * len(opt.plan.routes))
     for p, m in zip(jax.tree.leaves(params1), jax.tree.leaves(masters)):
         np.testing.assert_array_equal(np.asarray(p), np.asarray(jnp.asarray(m).astype(jnp.bfloat16)))

@@ -1,0 +1,406 @@
+"""Benchmark of the optimizer step: lwjax vs. replicated ``optax.contrib.muon``.
+
+Workloads are Megatron-shaped transformers (fused ``linear_qkv`` with QKV split,
+fused SwiGLU ``linear_fc1``, untied embedding and output layer), stored the
+way Megatron stores them (``[out, in]``) with the layers stacked ``[L, ...]``.
+Only the optimizer path is timed: every device is handed its local gradients
+(the dp-mean is taken inside the step), the step runs, results are
+synchronised. Both contenders run in the same process on the same devices:
+
+* ``lwjax``: reduce-scatter, norm/clip, Muon/Adam on owned blocks, all-gather;
+* ``optax``: ``pmean`` of the gradients (all-reduce) and ``optax.contrib.muon``
+  with the same routing on every device (the JAX status quo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwjax.muon import MuonConfig
+from lwjax.optimizer import OptimizerConfig, layerwise_muon
+
+WORKLOADS = {
+    "8b": dict(hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, layers=4),
+    "1b": dict(hidden=2048, heads=16, groups=8, ffn=8192, vocab=128256, layers=16),
+    "small": dict(hidden=256, heads=8, groups=4, ffn=704, vocab=4096, layers=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What :func:`run_bench` measures.
+
+    Attributes:
+      workload: A key of :data:`WORKLOADS`.
+      layers: Transformer layers (``None``: the workload's default).
+      dp_sizes: Data-parallel sizes to run (each ≤ the device count).
+      iters: Timed steps per measurement (median reported).
+      warmup: Untimed steps first.
+      param_dtype: Parameter (compute) dtype.
+      grad_reduce_in_fp32: Reduce gradients in fp32, else in ``param_dtype``.
+      ns_precision: Newton–Schulz precision (``"medium"`` = bf16, Megatron's default).
+      policy: lwjax layout policy.
+      bucket_size: lwjax bucket size in elements.
+      baselines: Also time replicated ``optax.contrib.muon``.
+      megatron_script: Path of ``megatron_bench.py`` (``shared/perf``); when
+        set, Megatron-Core's layer-wise optimizer is timed too, one ``torchrun``
+        per dp size, before JAX touches the devices.
+      profile_dir: Also trace a few lwjax steps there and summarise kernel
+        time per kind and communication/compute overlap (GPU).
+    """
+
+    workload: str = "small"
+    layers: int | None = None
+    dp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    iters: int = 10
+    warmup: int = 2
+    param_dtype: str = "bfloat16"
+    grad_reduce_in_fp32: bool = True
+    ns_precision: str = "medium"
+    policy: str = "ns_cost"
+    bucket_size: int | None = None
+    baselines: bool = True
+    megatron_script: str | None = None
+    profile_dir: str | None = None
+
+    def __post_init__(self):
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"BenchConfig.workload must be one of {tuple(WORKLOADS)}; got {self.workload!r}.")
+        if not self.dp_sizes or min(self.dp_sizes) < 1:
+            raise ValueError(f"BenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}.")
+
+
+def workload_shapes(name: str, layers: int | None = None) -> tuple[dict, dict]:
+    """Parameter shapes (stacked over layers) and the QKV split of a workload."""
+    c = dict(WORKLOADS[name])
+    layers = layers or c["layers"]
+    h, heads, groups = c["hidden"], c["heads"], c["groups"]
+    head_dim = h // heads
+    qkv_rows = (heads + 2 * groups) * head_dim
+    shapes = {
+        "embedding": (c["vocab"], h),
+        "output_layer": (c["vocab"], h),
+        "final_layernorm": (h,),
+        "layers": {
+            "linear_qkv": (layers, qkv_rows, h),
+            "linear_proj": (layers, h, heads * head_dim),
+            "linear_fc1": (layers, 2 * c["ffn"], h),
+            "linear_fc2": (layers, h, c["ffn"]),
+            "input_layernorm": (layers, h),
+            "pre_mlp_layernorm": (layers, h),
+        },
+    }
+    split = (heads // groups * head_dim, head_dim, head_dim)
+    return shapes, {"layers/linear_qkv": split}
+
+
+def _time(fn, args, iters, warmup):
+    """Median wall time of ``args = fn(*args)`` steps, synchronised on the outputs.
+
+    ``fn`` returns the next call's arguments (e.g. donated params and state).
+    """
+    for _ in range(warmup):
+        args = fn(*args)
+        jax.block_until_ready(args)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        args = fn(*args)
+        jax.block_until_ready(args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), args
+
+
+def _local_grads(shapes, mesh, dtype):
+    """Per-device gradients ``[dp, ...]``, sharded over dp, different on every device."""
+    dp = mesh.shape["dp"]
+    sharding = NamedSharding(mesh, P("dp"))
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    make = jax.jit(
+        lambda key, shape: 1e-2 * jax.random.normal(key, (dp, *shape), dtype),
+        static_argnums=1,
+        out_shardings=sharding,
+    )
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [make(k, s) for k, s in zip(keys, leaves)])
+
+
+def _params(shapes, mesh, dtype):
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    make = jax.jit(lambda shape: jnp.full(shape, 0.01, dtype), static_argnums=0,
+                   out_shardings=NamedSharding(mesh, P()))
+    return jax.tree_util.tree_unflatten(treedef, [make(s) for s in leaves])
+
+
+def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
+    dtype = jnp.dtype(cfg.param_dtype)
+    params = _params(shapes, mesh, dtype)
+    opt = layerwise_muon(
+        params,
+        mesh,
+        learning_rate=1e-3,
+        muon=MuonConfig(fp32_matmul_prec=cfg.ns_precision),
+        config=OptimizerConfig(grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, matrix_convention="out_in"),
+        policy=cfg.policy,
+        bucket_size=cfg.bucket_size,
+        stacked={"layers/*": 1},
+        qkv_split=split,
+    )
+    state = opt.init(params)
+    grads = _local_grads(shapes, mesh, dtype)
+    dp = mesh.shape["dp"]
+    step = jax.jit(
+        jax.shard_map(
+            lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
+            mesh=mesh,
+            in_specs=(P(), opt.state_specs, P("dp")),
+            out_specs=(P(), opt.state_specs),
+            check_vma=False,
+        ),
+        donate_argnums=(0, 1),
+    )
+    seconds, (params, state) = _time(lambda p, s: step(p, s, grads), (params, state), cfg.iters, cfg.warmup)
+    state_bytes = max(
+        sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards if s.device == d)
+        for d in mesh.devices.flat
+    )
+    profile = {}
+    if cfg.profile_dir:
+        profile = profile_steps(lambda p, s: step(p, s, grads), (params, state), 3, f"{cfg.profile_dir}/dp{dp}")
+    return seconds, state_bytes, opt, profile
+
+
+_KERNEL_KINDS = (
+    ("reduce-scatter", ("reducescatter", "reduce_scatter", "reduce-scatter")),
+    ("all-gather", ("allgather", "all_gather", "all-gather")),
+    ("all-reduce", ("allreduce", "all_reduce", "all-reduce")),
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "dot")),
+)
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in _KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def _union(intervals):
+    """Total length covered by a set of (start, end) intervals."""
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
+
+
+def profile_steps(fn, args, steps: int, directory: str) -> dict:
+    """Trace ``steps`` calls of ``args = fn(*args)`` and summarise device 0's kernels per step.
+
+    Returns kernel time per kind (matmul, reduce-scatter, all-gather, all-reduce,
+    other) in ms per step, the time covered by communication and by compute and
+    by both (overlap), and the costliest "other" kernels.
+    """
+    import collections
+    import glob
+
+    jax.block_until_ready(args := fn(*args))
+    with jax.profiler.trace(directory):
+        for _ in range(steps):
+            args = fn(*args)
+        jax.block_until_ready(args)
+    path = sorted(glob.glob(f"{directory}/**/*.xplane.pb", recursive=True))[-1]
+    data = jax.profiler.ProfileData.from_file(path)
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU:0")]
+    if not planes:
+        return {}
+    per_kind, other, comm, compute = collections.Counter(), collections.Counter(), [], []
+    for line in planes[0].lines:
+        if "stream" not in line.name.lower():
+            continue
+        for event in line.events:
+            kind = _kind(event.name)
+            start, end = event.start_ns, event.start_ns + event.duration_ns
+            per_kind[kind] += event.duration_ns
+            (comm if kind in ("reduce-scatter", "all-gather", "all-reduce") else compute).append((start, end))
+            if kind == "other":
+                other[event.name] += event.duration_ns
+    comm_ns, compute_ns = _union(comm), _union(compute)
+    both_ns = comm_ns + compute_ns - _union(comm + compute)
+    ms = lambda ns: ns / 1e6 / steps  # noqa: E731
+    return dict(
+        kernel_ms={k: ms(v) for k, v in per_kind.items()},
+        comm_ms=ms(comm_ns), compute_ms=ms(compute_ns), overlap_ms=ms(both_ns),
+        top_other_ms={k: round(ms(v), 3) for k, v in other.most_common(12)},
+    )
+
+
+def _bench_optax(cfg: BenchConfig, shapes, mesh):
+    dtype = jnp.dtype(cfg.param_dtype)
+    params = _params(shapes, mesh, jnp.float32)
+    dims = {
+        "embedding": None,
+        "output_layer": None,
+        "final_layernorm": None,
+        "layers": {
+            k: (optax.contrib.MuonDimensionNumbers(reduction_axis=2, output_axis=1) if len(s) == 3 else None)
+            for k, s in shapes["layers"].items()
+        },
+    }
+    tx = optax.contrib.muon(learning_rate=1e-3, weight_decay=0.01, muon_weight_dimension_numbers=dims)
+    opt_state = jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
+    grads = _local_grads(shapes, mesh, dtype)
+    state_spec = jax.tree.map(lambda _: P(), opt_state)
+
+    def local(p, o, g):
+        g = jax.tree.map(lambda x: jax.lax.pmean(x[0].astype(jnp.float32), "dp"), g)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    step = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), state_spec, P("dp")), out_specs=(P(), state_spec),
+                      check_vma=False),
+        donate_argnums=(0, 1),
+    )
+    seconds, (params, opt_state) = _time(lambda p, o: step(p, o, grads), (params, opt_state), cfg.iters, cfg.warmup)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + sum(x.nbytes for x in jax.tree.leaves(params))
+    return seconds, state_bytes
+
+
+def ns_flops(shape: tuple[int, int], num_steps: int = 5, qkv_split_shapes=None) -> int:
+    """Newton–Schulz FLOPs of one matrix: per step ``4 s^2 l + 2 s^3`` (``s``, ``l`` = short, long side).
+
+    With a QKV split each block is orthogonalised on its own (rows are the
+    first dimension here, as stored ``[out, in]``).
+    """
+    rows, cols = shape
+    if qkv_split_shapes:
+        groups = rows // sum(qkv_split_shapes)
+        return sum(ns_flops((groups * r, cols), num_steps) for r in qkv_split_shapes)
+    short, long_ = min(rows, cols), max(rows, cols)
+    return num_steps * (4 * short * short * long_ + 2 * short**3)
+
+
+def _floor(cfg: BenchConfig, opt, mesh) -> dict:
+    """The no-overlap floor of one step on these devices, measured in JAX.
+
+    Communication: a bare ``psum_scatter`` of every gradient buffer plus a
+    bare ``all_gather`` of every parameter block, at the step's exact sizes
+    and dtypes. Compute: the busiest rank's Newton–Schulz FLOPs over the
+    measured rate of one large bf16 (or fp32) matmul.
+    """
+    plan = opt.plan
+    dp = mesh.shape["dp"]
+    grad_dtypes = [jnp.dtype(b.key.grad_dtype) for b in plan.buffers]
+    param_dtypes = [jnp.dtype(b.key.param_dtype) for b in plan.buffers]
+    grads = [jax.device_put(jnp.ones((dp, b.numel), d), NamedSharding(mesh, P("dp")))
+             for b, d in zip(plan.buffers, grad_dtypes)]
+    blocks = [jax.device_put(jnp.ones((b.numel,), d), NamedSharding(mesh, P("dp")))
+              for b, d in zip(plan.buffers, param_dtypes)]
+    rs = jax.jit(jax.shard_map(lambda gs: [jax.lax.psum_scatter(g[0], "dp", tiled=True) for g in gs],
+                               mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"), check_vma=False))
+    ag = jax.jit(jax.shard_map(lambda bs: [jax.lax.all_gather(b, "dp", tiled=True) for b in bs],
+                               mesh=mesh, in_specs=(P("dp"),), out_specs=P(), check_vma=False))
+    rs_s = _time(lambda *_: (rs(grads),), (), cfg.iters, cfg.warmup)[0] if dp > 1 else 0.0
+    ag_s = _time(lambda *_: (ag(blocks),), (), cfg.iters, cfg.warmup)[0] if dp > 1 else 0.0
+    flops = [0] * dp
+    for buffer in plan.buffers:
+        for group in buffer.slot_groups:
+            for rank, names in enumerate(group.names):
+                flops[rank] += len(names) * ns_flops(group.shape, 5, group.qkv_split_shapes)
+    size = 1024 if mesh.devices.flat[0].platform == "cpu" else 8192
+    ns_dtype = jnp.bfloat16 if cfg.ns_precision == "medium" else jnp.float32
+    a = jax.device_put(jax.random.normal(jax.random.key(1), (size, size), ns_dtype), mesh.devices.flat[0])
+    matmul = jax.jit(lambda x: x @ x)
+    mm_s = _time(lambda *_: (matmul(a),), (), cfg.iters, cfg.warmup)[0]
+    rate = 2 * size**3 / mm_s
+    ns_s = max(flops) / rate
+    return dict(rs_ms=rs_s * 1e3, ag_ms=ag_s * 1e3, ns_ms=ns_s * 1e3, matmul_tflops=rate / 1e12,
+                ns_gflop_max_rank=max(flops) / 1e9, floor_sum_ms=(rs_s + ag_s + ns_s) * 1e3,
+                floor_max_ms=max(rs_s + ag_s, ns_s) * 1e3)
+
+
+def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
+    """Run Megatron-Core's layer-wise Muon on ``dp`` GPUs (torchrun) and read its JSON line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if cfg.workload not in ("8b", "1b"):
+        raise ValueError(f"BenchConfig.megatron_script: Megatron runs the 8b and 1b workloads only; got {cfg.workload!r}.")
+    layers = cfg.layers or WORKLOADS[cfg.workload]["layers"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp}", cfg.megatron_script,
+           "--preset", cfg.workload, "--layers", str(layers), "--iters", str(cfg.iters), "--warmup", str(cfg.warmup),
+           "--ns-prec", cfg.ns_precision]
+    if not cfg.grad_reduce_in_fp32:
+        cmd.append("--no-grad-reduce-in-fp32")
+    if cfg.bucket_size is not None:
+        cmd += ["--bucket-size", str(cfg.bucket_size)]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"megatron bench failed (rc {done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(lines[-1])
+    timing = result["timing"]
+    return dict(step_ms=timing["total_ms"]["median"], reduce_ms=timing["reduce_ms"]["median"],
+                optimizer_step_ms=timing["step_ms"]["median"],
+                peak_mem_bytes=max(r.get("peak_mem_bytes", 0) for r in result["per_rank"]),
+                breakdown_ms=result["step_breakdown_ms_median_per_rank"], versions=result["versions"])
+
+
+def run_bench(cfg: BenchConfig) -> list[dict]:
+    """Time lwjax's optimizer step (and the optax baseline) at each dp size.
+
+    Returns:
+      One record per (contender, dp): ``step_ms`` (median), ``state_bytes_per_device``
+      (optimizer state plus fp32 masters held by one device), and the settings.
+    """
+    shapes, split = workload_shapes(cfg.workload, cfg.layers)
+    devices = jax.devices()
+    numel = sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    records = []
+    megatron = {dp: _bench_megatron(cfg, dp) for dp in cfg.dp_sizes} if cfg.megatron_script else {}
+    for dp in cfg.dp_sizes:
+        if dp > len(devices):
+            raise ValueError(f"BenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices.")
+        mesh = Mesh(np.array(devices[:dp]), ("dp",))
+        base = dict(workload=cfg.workload, layers=cfg.layers or WORKLOADS[cfg.workload]["layers"], params=numel,
+                    dp=dp, device=devices[0].device_kind, jax=jax.__version__)
+        seconds, nbytes, opt, profile = _bench_lwjax(cfg, shapes, split, mesh)
+        floor = _floor(cfg, opt, mesh)
+        records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=cfg.bucket_size,
+                            step_ms=seconds * 1e3, state_bytes_per_device=nbytes, **floor,
+                            **({"profile": profile} if profile else {})))
+        if dp in megatron:
+            records.append(dict(base, contender="Megatron-Core LayerWiseDistributedOptimizer", **megatron[dp]))
+        if cfg.baselines:
+            seconds, nbytes = _bench_optax(cfg, shapes, mesh)
+            records.append(dict(base, contender="optax.contrib.muon (replicated)", step_ms=seconds * 1e3,
+                                state_bytes_per_device=nbytes))
+    return records
+
+
+def use_cpu_devices(count: int) -> None:
+    """On a CPU-only host, expose ``count`` virtual devices (call before jax initialises)."""
+    import os
+
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and not _has_accelerator():
+        jax.config.update("jax_num_cpu_devices", max(count, 1))
+
+
+def _has_accelerator() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None or importlib.util.find_spec(
+        "jax_cuda13_plugin") is not None
