@@ -30,6 +30,10 @@ _LAZY = {
     "layerwise_muon": "lwjax.optimizer",
     "make_train_step": "lwjax.train",
     "make_plan": "lwjax.buffers",
+    "to_logical": "lwjax.optimizer",
+    "from_logical": "lwjax.optimizer",
+    "save": "lwjax.checkpoint",
+    "restore": "lwjax.checkpoint",
 }
 
 __all__ = (

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax.muon import MuonConfig
-from lwjax.optimizer import OptimizerConfig, layerwise_muon
+from lwjax.optimizer import OptimizerConfig, default_bucket_size, layerwise_muon
 
 WORKLOADS = {
     "8b": dict(hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, layers=4),
@@ -49,7 +49,9 @@ class BenchConfig:
       grad_reduce_in_fp32: Reduce gradients in fp32, else in ``param_dtype``.
       ns_precision: Newton–Schulz precision (``"medium"`` = bf16, Megatron's default).
       policy: lwjax layout policy.
-      bucket_size: lwjax bucket size in elements.
+      bucket_size: lwjax bucket size in elements, ``None`` (one bucket per
+        buffer) or ``"auto"`` (the optimizer's default). Megatron always runs
+        with one bucket per buffer, its default without overlapped reduction.
       baselines: Also time replicated ``optax.contrib.muon``.
       megatron_script: Path of ``megatron_bench.py`` (``shared/perf``); when
         set, Megatron-Core's layer-wise optimizer is timed too, one ``torchrun``
@@ -67,7 +69,7 @@ class BenchConfig:
     grad_reduce_in_fp32: bool = True
     ns_precision: str = "medium"
     policy: str = "ns_cost"
-    bucket_size: int | None = None
+    bucket_size: int | str | None = "auto"
     baselines: bool = True
     megatron_script: str | None = None
     profile_dir: str | None = None
@@ -344,8 +346,6 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
            "--ns-prec", cfg.ns_precision]
     if not cfg.grad_reduce_in_fp32:
         cmd.append("--no-grad-reduce-in-fp32")
-    if cfg.bucket_size is not None:
-        cmd += ["--bucket-size", str(cfg.bucket_size)]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -379,7 +379,9 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
                     dp=dp, device=devices[0].device_kind, jax=jax.__version__)
         seconds, nbytes, opt, profile = _bench_lwjax(cfg, shapes, split, mesh)
         floor = _floor(cfg, opt, mesh)
-        records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=cfg.bucket_size,
+        bucket_size = default_bucket_size(dp) if cfg.bucket_size == "auto" else cfg.bucket_size
+        records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=bucket_size,
+                            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
                             step_ms=seconds * 1e3, state_bytes_per_device=nbytes, **floor,
                             **({"profile": profile} if profile else {})))
         if dp in megatron:

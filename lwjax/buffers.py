@@ -200,7 +200,7 @@ def make_plan(
       dp: Data-parallel size.
       policy, bucket_size, high_busbw, expert_dp, grad_reduce_in_fp32: See
         :func:`lwjax.policies.compute_full_param_layout`.
-      **routing: Rules for :func:`lwjax.routing.route_leaves` (``muon``,
+      **routing: Rules for :func:`lwjax.routing.route_leaves` (``is_muon``,
         ``stacked``, ``tied``, ``expert``, ``qkv_split``).
 
     Returns:

@@ -22,6 +22,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -427,10 +428,230 @@ def _add_layout_parser(subparsers) -> None:
     p.set_defaults(command=_cmd_layout, command_name="layout")
 
 
+# --------------------------------------------------------------------------- bench
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Time the optimizer step of lwjax and its baselines; print a table, optionally JSON."""
+    from lwjax.bench import BenchConfig, run_bench, use_cpu_devices
+
+    use_cpu_devices(max(args.dp))
+    config = BenchConfig(
+        workload=args.workload, layers=args.layers, dp_sizes=tuple(args.dp), iters=args.iters,
+        warmup=args.warmup, param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        ns_precision=args.ns_precision, policy=args.policy, bucket_size=args.bucket_size,
+        baselines=args.baselines, megatron_script=args.megatron, profile_dir=args.profile,
+    )
+    records = run_bench(config)
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(args.out) / "bench.json").write_text(json.dumps(records, indent=1) + "\n")
+    if args.json:
+        _print_json(records)
+        return 0
+    first = records[0]
+    table = _table(
+        f"Optimizer step, {first['workload']} workload ({first['layers']} layers, {_count(first['params'])} params) "
+        f"on {first['device']}, jax {first['jax']}",
+        ["contender", "dp", "step ms", "vs lwjax", "state bytes / device"],
+    )
+    lwjax_ms = {r["dp"]: r["step_ms"] for r in records if r["contender"] == "lwjax"}
+    for r in records:
+        nbytes = r.get("state_bytes_per_device")
+        table.add_row(r["contender"], str(r["dp"]), f"{r['step_ms']:.2f}", f"{r['step_ms'] / lwjax_ms[r['dp']]:.2f}x",
+                      "—" if nbytes is None else _count(nbytes))
+        if "floor_sum_ms" in r:
+            table.add_row(f"  floor: RS {r['rs_ms']:.2f} + AG {r['ag_ms']:.2f} + NS {r['ns_ms']:.2f} ms", str(r["dp"]),
+                          f"{r['floor_sum_ms']:.2f}", f"{r['floor_sum_ms'] / r['step_ms']:.2f}x", "", style="dim")
+    _console().print(table)
+    return 0
+
+
+def _bucket_size(text: str) -> int | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, 'none' or 'auto'; got {text!r}") from None
+
+
+def _dp_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}") from None
+    return values
+
+
+def _add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time the optimizer step against replicated optax Muon")
+    p.add_argument("--workload", choices=("small", "1b", "8b"), default="small")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dp", type=_dp_list, default=[1, 2, 4, 8], help="data-parallel sizes, e.g. 1,2,4,8")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--param-dtype", default="bfloat16")
+    p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ns-precision", "--muon-fp32-matmul-prec", dest="ns_precision",
+                   choices=("highest", "high", "medium"), default="medium")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
+    p.add_argument("--bucket-size", "--ddp-bucket-size", dest="bucket_size", type=_bucket_size, default="auto",
+                   help="elements per bucket, 'none' for one bucket per buffer, or 'auto' (default)")
+    p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--megatron", default=None, metavar="megatron_bench.py",
+                   help="also time Megatron-Core with this script (GPU host with megatron-core installed)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="trace lwjax steps into DIR and summarise kernels")
+    p.add_argument("--json", action="store_true", help="print the records as JSON")
+    p.add_argument("--out", default=None, help="also write bench.json into this directory")
+    p.set_defaults(command=_cmd_bench, command_name="bench")
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a checkpoint (Megatron <-> lwjax, or to safetensors); show progress and a summary table."""
+    import math
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lwjax.megatron.convert import ConvertConfig, convert
+
+    config = ConvertConfig(
+        src=args.src, dst=args.dst, to=args.to, reader=args.reader, iteration=args.iteration,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        overwrite=args.overwrite,
+    )
+    console = _console()
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=args.json) as progress:
+        task = progress.add_task("converting", total=3)
+
+        def report(stage: str, done: int, total: int) -> None:
+            progress.update(task, description=stage, completed=done, total=total)
+
+        summary = convert(config, progress=report)
+    if args.json:
+        _print_json({"source": summary.source, "target": summary.target, "src": summary.src, "dst": summary.dst,
+                     "iteration": summary.iteration, "seconds": summary.seconds, "notes": summary.notes,
+                     "params": [{"key": k, "shape": list(s), "dtype": d, "state": st} for k, s, d, st in summary.rows]})
+        return 0
+    notes = ", ".join(f"{k} {v}" for k, v in summary.notes.items() if v is not None)
+    table = _table(
+        f"{summary.src} ({summary.source}) -> {summary.dst} ({summary.target}) · iteration {summary.iteration}"
+        f" · {summary.seconds:.2f} s",
+        ["parameter", "shape", "dtype", "optimizer state"], text_columns=4,
+    )
+    for key, shape, dtype, state in summary.rows:
+        table.add_row(key, "×".join(map(str, shape)), dtype, state)
+    numel = sum(math.prod(shape) for _, shape, _, _ in summary.rows)
+    table.add_row(f"{len(summary.rows)} parameters", _count(numel), "", "", style="bold")
+    console.print(table)
+    if notes:
+        console.print(f"[dim]source: {notes}[/]")
+    return 0
+
+
+def _add_convert_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="convert checkpoints: Megatron -> lwjax or safetensors, lwjax -> Megatron torch_dist or safetensors",
+        description=(
+            "Convert a Megatron-Core checkpoint (torch_dist or legacy torch) into an lwjax checkpoint, or into "
+            "safetensors when DST ends in .safetensors; or an lwjax checkpoint into Megatron torch_dist."
+        ),
+    )
+    p.add_argument("src", metavar="SRC", help="Megatron checkpoint directory or lwjax checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="output directory, or FILE.safetensors")
+    p.add_argument("--to", choices=("lwjax", "safetensors", "torch_dist"), default=None,
+                   help="output format (default: inferred from SRC and DST)")
+    p.add_argument("--reader", choices=("numpy", "torch"), default="numpy",
+                   help="read Megatron files without torch (default) or through torch")
+    p.add_argument("--iteration", type=int, default=None, help="Megatron iteration (default: the latest)")
+    p.add_argument("--num-attention-heads", type=int, default=None,
+                   help="for checkpoints whose args do not record it")
+    p.add_argument("--num-query-groups", type=int, default=None, help="for checkpoints whose args do not record it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(command=_cmd_convert, command_name="convert")
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Train the demo GPT with lwjax and a baseline; print the summary, write metrics.json and loss.png."""
+    from lwjax.demo.run import DemoConfig, run_demo
+
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    options = {name: value for name, value in vars(args).items() if name in fields}
+    config = DemoConfig(**{**options, "progress": args.progress and not args.json})
+    metrics = run_demo(config, console=_console())
+    if args.json:
+        _print_json(metrics)
+    return 0
+
+
+def _add_demo_parser(subparsers) -> None:
+    from lwjax.demo.run import BASELINES, DemoConfig  # jax-free module
+
+    default = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small GPT on Python-stdlib bytes with lwjax, then with AdamW, and compare",
+        description=(
+            "Train a small GPT (flax nnx) on the bytes of the Python standard library with layer-wise Muon on all "
+            "local devices (8 virtual CPU devices without an accelerator), then the same model from the same "
+            "initial weights on the same batches with a replicated optax baseline. Prints a summary table and "
+            "writes metrics.json and loss.png into --out."
+        ),
+    )
+    p.add_argument("--steps", type=int, default=default["steps"], help="training steps per run (default %(default)s)")
+    p.add_argument("--model-size", "--size", dest="model_size", default=default["model_size"],
+                   help="tiny, small or base (default %(default)s)")
+    p.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all local devices)")
+    p.add_argument("--batch-size", "--global-batch-size", dest="batch_size", type=int, default=default["batch_size"],
+                   help="global batch in sequences, a multiple of the device count (default %(default)s)")
+    p.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=default["seq_len"],
+                   help="bytes per sequence (default %(default)s)")
+    p.add_argument("--learning-rate", "--lr", dest="learning_rate", type=float, default=default["learning_rate"],
+                   help="lwjax peak learning rate (default %(default)s)")
+    p.add_argument("--baseline", choices=BASELINES, default=default["baseline"],
+                   help="the comparison run (default %(default)s)")
+    p.add_argument("--baseline-learning-rate", "--baseline-lr", dest="baseline_learning_rate", type=float,
+                   default=None, help="baseline peak learning rate (default: tuned per baseline)")
+    p.add_argument("--warmup-steps", type=int, default=default["warmup_steps"])
+    p.add_argument("--weight-decay", type=float, default=default["weight_decay"])
+    p.add_argument("--clip-grad", type=float, default=default["clip_grad"])
+    p.add_argument("--eval-every", type=int, default=default["eval_every"],
+                   help="validation period in steps; 0: only at the start and the end (default %(default)s)")
+    p.add_argument("--eval-windows", type=int, default=default["eval_windows"],
+                   help="validation sequences (default %(default)s)")
+    p.add_argument("--seed", type=int, default=default["seed"])
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=default["scan_layers"],
+                   help="the scan-over-layers model variant")
+    p.add_argument("--fused-qkv", action=argparse.BooleanOptionalAction, default=default["fused_qkv"],
+                   help="one fused QKV projection, routed with qkv_split (default on)")
+    p.add_argument("--tied-embedding", action=argparse.BooleanOptionalAction, default=default["tied_embedding"],
+                   help="tie the output head to the embedding")
+    p.add_argument("--out", default=default["out"], metavar="DIR",
+                   help="directory for metrics.json and loss.png (default %(default)s)")
+    p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this many stdlib bytes")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="progress bars and the summary table (default on)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON instead of the table")
+    p.set_defaults(command=_cmd_demo, command_name="demo")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lwjax", description="Megatron-Core's layer-wise distributed Muon optimizer in JAX.")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_layout_parser(subparsers)
+    _add_bench_parser(subparsers)
+    _add_convert_parser(subparsers)
+    _add_demo_parser(subparsers)
     return parser
 
 

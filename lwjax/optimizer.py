@@ -192,6 +192,11 @@ def _muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight
     return master, momentum, delta_sq
 
 
+def default_bucket_size(dp: int) -> int:
+    """Megatron's default DDP bucket size in elements: ``max(40M, 1M * dp)``."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
 def layerwise_muon(
     params,
     mesh: Mesh,
@@ -203,7 +208,7 @@ def layerwise_muon(
     elementwise: optax.GradientTransformation | None = None,
     config: OptimizerConfig = OptimizerConfig(),
     policy: LayoutPolicy = DEFAULT_POLICY,
-    bucket_size: int | None = None,
+    bucket_size: int | str | None = "auto",
     high_busbw: bool = False,
     **routing,
 ) -> LayerwiseOptimizer:
@@ -231,9 +236,12 @@ def layerwise_muon(
         ``optax.scale_by_adam(0.9, 0.999, 1e-8)`` (Megatron's Adam defaults).
       config: Weight decay, clipping and dtypes (:class:`OptimizerConfig`).
       policy: Layout policy (:data:`lwjax.policies.POLICIES`).
-      bucket_size: Bucket size in elements (``None``: one bucket per buffer).
+      bucket_size: Bucket size in elements; ``None``: one bucket per buffer;
+        ``"auto"``: Megatron's DDP default, ``max(4e7, 1e6 * dp)``. Several
+        buckets let XLA overlap one bucket's all-gather with the next
+        bucket's Newton–Schulz.
       high_busbw: Pad buckets for high NCCL bus bandwidth.
-      **routing: Routing rules (``muon``, ``stacked``, ``tied``, ``qkv_split``);
+      **routing: Routing rules (``is_muon``, ``stacked``, ``tied``, ``qkv_split``);
         see :func:`lwjax.routing.route_leaves`.
 
     Returns:
@@ -245,6 +253,8 @@ def layerwise_muon(
     if axis not in mesh.axis_names:
         raise ValueError(f"layerwise_muon: mesh has axes {mesh.axis_names}; no data-parallel axis {axis!r}.")
     dp = mesh.shape[axis]
+    if bucket_size == "auto":
+        bucket_size = default_bucket_size(dp)
     plan = make_plan(
         params,
         dp,
@@ -433,7 +443,7 @@ def to_logical(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> LogicalS
     def convert(state):
         dtype = jax.tree.leaves(state.masters)[0].dtype
         masters = unpack(plan, state.masters, dtypes=[dtype] * len(plan.routes))
-        momenta = unpack(plan, state.momenta)
+        momenta = unpack(plan, state.momenta, dtypes=[dtype] * len(plan.routes))
         elementwise = None
         if owners:
             # Per leaf position of the optax state: its shards of every elementwise bucket.

@@ -158,7 +158,7 @@ class LeafRoute:
 def route_leaves(
     leaves: Iterable[tuple[Any, Sequence[int], Any]],
     *,
-    muon: Rule[bool] = None,
+    is_muon: Rule[bool] = None,
     stacked: Rule[int] = None,
     tied: Rule[bool] | Sequence[str] = None,
     expert: Rule[bool] | Sequence[str] = None,
@@ -169,7 +169,7 @@ def route_leaves(
     Args:
       leaves: ``(key_path, shape, dtype)`` per leaf in pytree flatten order;
         ``key_path`` is a jax key path, a tuple of strings/ints, or a name.
-      muon: Overrides the default Muon rule (2-D and not embedding/output).
+      is_muon: Overrides the default Muon rule (2-D and not embedding/output).
       stacked: Number of leading stack axes per leaf (default 0).
       tied: Tied embeddings; never Muon.
       expert: Expert-parallel leaves.
@@ -202,22 +202,22 @@ def route_leaves(
             raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
         param_shape = shape[stack:]
         is_tied = bool(_apply_rule(tied, name, shape, "tied"))
-        is_muon = _apply_rule(muon, name, param_shape, "muon")
-        if is_muon is None:
-            is_muon = len(param_shape) == 2 and not is_tied and not is_embedding_or_output(name)
-        if is_muon and len(param_shape) != 2:
+        muon = _apply_rule(is_muon, name, param_shape, "is_muon")
+        if muon is None:
+            muon = len(param_shape) == 2 and not is_tied and not is_embedding_or_output(name)
+        if muon and len(param_shape) != 2:
             raise ValueError(
                 f"{name}: a Muon parameter must be a 2-D matrix; got {param_shape=} after "
-                f"{stack} stacked axes. Declare stacking with stacked=... or route it to AdamW with muon=..."
+                f"{stack} stacked axes. Declare stacking with stacked=... or route it to AdamW with is_muon=..."
             )
-        if is_muon and is_tied:
+        if muon and is_tied:
             raise ValueError(f"{name}: a tied embedding is never a Muon matrix; route it to AdamW.")
         split = _apply_rule(qkv_split, name, param_shape, "qkv_split")
         if split is not None:
             split = tuple(int(x) for x in split)
-            if not is_muon or not split or any(x < 1 for x in split):
+            if not muon or not split or any(x < 1 for x in split):
                 raise ValueError(
-                    f"{name}: qkv_split needs a Muon matrix and positive row counts; got {split=}, {is_muon=}."
+                    f"{name}: qkv_split needs a Muon matrix and positive row counts; got {split=}, is_muon={muon}."
                 )
         routes.append(
             LeafRoute(
@@ -225,7 +225,7 @@ def route_leaves(
                 shape=shape,
                 dtype=dtype_name,
                 stack_dims=stack,
-                is_muon=bool(is_muon),
+                is_muon=bool(muon),
                 is_shared_embedding=is_tied,
                 is_expert=bool(_apply_rule(expert, name, shape, "expert")),
                 qkv_split_shapes=split,

@@ -232,3 +232,19 @@ def test_logical_state_reshards_and_training_continues_identically(src, dst):
         pb, sb, _ = step_b(pb, sb, batch)
     for x, y in zip(jax.tree.leaves((pa, to_logical(a, sa))), jax.tree.leaves((pb, to_logical(b, sb)))):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_logical_state_of_bf16_params_is_lossless():
+    from lwjax.optimizer import from_logical, to_logical
+
+    params, batch = _mlp_setup()
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    opt = layerwise_muon(params, mesh_of(2), learning_rate=0.05, muon=MUON, config=CONFIG)
+    train_step = make_train_step(lambda p, b: _mlp_loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), b), opt)
+    state = opt.init(params)
+    for _ in range(2):
+        params, state, _ = train_step(params, state, batch)
+    logical = to_logical(opt, state)
+    assert logical.momenta["w1"].dtype == jnp.float32 and logical.masters["b1"].dtype == jnp.float32
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(from_logical(opt, logical))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -30,12 +30,12 @@ def test_route_leaves_default_rule_matches_megatron():
 
 def test_route_leaves_overrides_by_pattern_and_callable():
     recs = [("a/w", (4, 4), "float32"), ("b/w", (4, 4), "float32"), ("c/w", (4,), "float32")]
-    by_pattern = {r.path: r.is_muon for r in route_leaves(recs, muon={"a/*": False})}
+    by_pattern = {r.path: r.is_muon for r in route_leaves(recs, is_muon={"a/*": False})}
     assert by_pattern == {"a/w": False, "b/w": True, "c/w": False}
-    by_callable = {r.path: r.is_muon for r in route_leaves(recs, muon=lambda n, s: False if n == "b/w" else None)}
+    by_callable = {r.path: r.is_muon for r in route_leaves(recs, is_muon=lambda n, s: False if n == "b/w" else None)}
     assert by_callable == {"a/w": True, "b/w": False, "c/w": False}
     with pytest.raises(ValueError, match="c/w: a Muon parameter must be a 2-D matrix"):
-        route_leaves(recs, muon={"c/*": True})
+        route_leaves(recs, is_muon={"c/*": True})
 
 
 def test_route_leaves_stacked_leaf_is_many_matrices():
@@ -56,7 +56,7 @@ def test_route_leaves_rejects_bad_input():
     with pytest.raises(ValueError, match="a/b: two leaves share this name"):
         route_leaves([("a/b", (2,), "float32"), (("a", "b"), (2,), "float32")])
     with pytest.raises(ValueError, match="tied embedding is never a Muon"):
-        route_leaves([("emb", (4, 4), "float32")], tied=["emb"], muon={"emb": True})
+        route_leaves([("emb", (4, 4), "float32")], tied=["emb"], is_muon={"emb": True})
 
 
 def test_route_leaves_tied_embedding_is_shared_and_not_muon():

@@ -1,0 +1,48 @@
+"""Megatron-Core checkpoints in and out of lwjax (torch optional).
+
+Reading needs only numpy and ml_dtypes: :func:`read_megatron` opens a
+``torch_dist`` (DCP) or legacy ``torch`` checkpoint with a restricted
+unpickler and returns global per-parameter arrays; ``reader="torch"`` reads
+through torch's own loaders instead, with identical results. Writing
+``torch_dist`` (:func:`save_torch_dist`) needs torch, imported only there.
+
+Typical use::
+
+    from lwjax import megatron
+    state = megatron.read_megatron("/ckpts/gpt")             # MegatronState (numpy)
+    imported = megatron.megatron_to_logical(state)            # GPT params + LogicalState
+    opt = imported.optimizer(mesh)                            # layerwise_muon, Megatron's settings
+    params, opt_state = imported.state(opt)                   # on the mesh, ready to train
+
+Modules: :mod:`~lwjax.megatron.pickle_io` (restricted unpickler, ``torch.save``
+archives), :mod:`~lwjax.megatron.dcp` (DCP directories), :mod:`~lwjax.megatron.names`
+(keys, definition order, tensor-parallel chunks), :mod:`~lwjax.megatron.state`
+(formats -> :class:`MegatronState`), :mod:`~lwjax.megatron.gpt` (the GPT tree and
+forward), :mod:`~lwjax.megatron.convert` (lwjax <-> Megatron, ``lwjax convert``).
+"""
+
+from lwjax.megatron.convert import ConvertConfig as ConvertConfig
+from lwjax.megatron.convert import MegatronImport as MegatronImport
+from lwjax.megatron.convert import convert as convert
+from lwjax.megatron.convert import logical_to_megatron as logical_to_megatron
+from lwjax.megatron.convert import megatron_to_logical as megatron_to_logical
+from lwjax.megatron.convert import save_safetensors as save_safetensors
+from lwjax.megatron.convert import save_torch_dist as save_torch_dist
+from lwjax.megatron.gpt import GPTConfig as GPTConfig
+from lwjax.megatron.gpt import gpt_loss as gpt_loss
+from lwjax.megatron.state import MegatronState as MegatronState
+from lwjax.megatron.state import read_megatron as read_megatron
+
+__all__ = (
+    "ConvertConfig",
+    "GPTConfig",
+    "MegatronImport",
+    "MegatronState",
+    "convert",
+    "gpt_loss",
+    "logical_to_megatron",
+    "megatron_to_logical",
+    "read_megatron",
+    "save_safetensors",
+    "save_torch_dist",
+)

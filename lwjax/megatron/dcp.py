@@ -1,0 +1,353 @@
+"""torch.distributed.checkpoint (DCP) directories: read them with numpy or torch, write them with torch.
+
+A DCP checkpoint directory (Megatron's ``torch_dist`` format) holds:
+
+* ``.metadata``: a pickled ``Metadata``. ``state_dict_metadata`` maps every key
+  to a tensor entry (dtype, global shape, chunks given by offsets and sizes)
+  or to a bytes entry (a pickled Python object); ``storage_data`` maps each
+  ``(key, chunk offsets)`` to ``(file, byte offset, byte length)``;
+* ``__<rank>_<thread>.distcp``: the chunks, each a standalone ``torch.save``
+  zip archive;
+* ``metadata.json``: Megatron's backend record.
+
+:func:`load_dcp` assembles global arrays from their chunks with numpy only
+(through :mod:`lwjax.megatron.pickle_io`); :func:`load_dcp_torch` does the same
+through torch's own loader, and both return the same bytes. :func:`save_dcp_torch`
+writes one chunk per tensor with torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from lwjax.megatron.pickle_io import TORCH_DTYPES, Opaque, load_torch_archive, loads
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor.
+
+    Attributes:
+      offsets: Start of the piece in the global tensor, per dimension.
+      sizes: Shape of the piece.
+      file: The ``.distcp`` file name.
+      start: Byte offset of the piece's archive in the file.
+      length: Byte length of the archive.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """A global tensor of a DCP checkpoint: its dtype name, shape and chunks."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpIndex:
+    """What ``.metadata`` says: tensors and byte objects, and where their bytes lie.
+
+    Attributes:
+      directory: The checkpoint directory.
+      tensors: ``key -> TensorEntry``, in ``.metadata`` order.
+      objects: ``key -> (file, start, length)`` of pickled objects.
+      order: Every key, tensors and objects, in ``.metadata`` order.
+    """
+
+    directory: pathlib.Path
+    tensors: dict[str, TensorEntry]
+    objects: dict[str, tuple[str, int, int]]
+    order: tuple[str, ...]
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"unsupported tensor dtype {dtype!r}")
+    return name
+
+
+def read_dcp_index(directory) -> DcpIndex:
+    """Read and check a DCP ``.metadata`` file without torch.
+
+    Raises:
+      ValueError: no ``.metadata``, an unreadable one, or a chunk without storage.
+    """
+    directory = pathlib.Path(directory)
+    meta_path = directory / ".metadata"
+    try:
+        raw = meta_path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{meta_path}: cannot read DCP metadata: {err.strerror or err}") from None
+    meta = loads(raw, where=str(meta_path))
+    try:
+        entries = meta.state_dict_metadata
+        storage = {}
+        for idx, info in meta.storage_data.items():
+            offset = getattr(idx, "offset", None)
+            storage[(idx.fqn, None if offset is None else tuple(offset))] = info
+    except AttributeError as err:
+        raise ValueError(f"{meta_path}: not a DCP Metadata record ({err}).") from None
+    tensors, objects = {}, {}
+    for key, entry in entries.items():
+        if type(entry).__name__ == "BytesStorageMetadata":
+            info = storage.get((key, None))
+            if info is None:
+                raise ValueError(f"{meta_path}: object {key!r} has no storage entry.")
+            objects[key] = (str(info.relative_path), int(info.offset), int(info.length))
+            continue
+        try:
+            dtype = _dtype_name(entry.properties.dtype)
+            shape = tuple(int(s) for s in entry.size)
+            chunks = []
+            for chunk in entry.chunks:
+                offsets = tuple(int(o) for o in chunk.offsets)
+                info = storage.get((key, offsets))
+                if info is None:
+                    raise ValueError(f"chunk at {offsets} has no storage entry")
+                if getattr(info, "transform_descriptors", None):
+                    raise ValueError(f"chunk at {offsets} uses storage transforms {info.transform_descriptors}")
+                chunks.append(Chunk(offsets, tuple(int(s) for s in chunk.sizes), str(info.relative_path),
+                                    int(info.offset), int(info.length)))
+        except (AttributeError, TypeError, ValueError) as err:
+            raise ValueError(f"{meta_path}: tensor {key!r}: {err}.") from None
+        tensors[key] = TensorEntry(key, dtype, shape, tuple(chunks))
+    return DcpIndex(directory, tensors, objects, tuple(entries))
+
+
+class _Files:
+    """Open ``.distcp`` files once; read byte ranges with bounds checks."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.directory = directory
+        self.handles: dict[str, Any] = {}
+
+    def read(self, name: str, start: int, length: int, what: str) -> bytes:
+        if os.sep in name or name.startswith(".."):
+            raise ValueError(f"{self.directory}: {what}: storage file {name!r} is outside the checkpoint.")
+        if name not in self.handles:
+            try:
+                self.handles[name] = open(self.directory / name, "rb")
+            except OSError as err:
+                raise ValueError(f"{self.directory / name}: {what}: cannot open: {err.strerror or err}") from None
+        f = self.handles[name]
+        f.seek(start)
+        data = f.read(length)
+        if len(data) != length:
+            raise ValueError(
+                f"{self.directory / name}: {what}: truncated; expected {length} bytes at offset {start}, "
+                f"got {len(data)}."
+            )
+        return data
+
+    def close(self):
+        for f in self.handles.values():
+            f.close()
+
+
+def _unwrap(obj):
+    """Megatron stores a ShardedObject as a one-element list; return the element."""
+    return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+
+
+def load_dcp(directory, keys=None) -> dict[str, Any]:
+    """Load a DCP checkpoint's tensors (global numpy arrays) and objects without torch.
+
+    Args:
+      directory: The checkpoint directory (with ``.metadata``).
+      keys: Keys to load; ``None`` loads everything.
+
+    Returns:
+      ``key -> np.ndarray`` for tensors (chunks from every rank's file merged)
+      and ``key -> object`` for byte entries (one-element lists unwrapped), in
+      ``.metadata`` order.
+
+    Raises:
+      ValueError: a missing or truncated file, a damaged chunk, chunks that do
+        not tile the tensor, or a refused pickle global; the message names the
+        file and key.
+    """
+    index = read_dcp_index(directory)
+    wanted = None if keys is None else set(keys)
+    files = _Files(index.directory)
+    out: dict[str, Any] = {}
+    try:
+        for key in index.order:
+            if wanted is not None and key not in wanted:
+                continue
+            if key in index.objects:
+                name, start, length = index.objects[key]
+                where = f"{index.directory / name}: {key}"
+                out[key] = _unwrap(load_torch_archive(files.read(name, start, length, key), where=where))
+                continue
+            entry = index.tensors[key]
+            dtype = TORCH_DTYPES[entry.dtype]
+            array = np.empty(entry.shape, dtype)
+            covered = np.zeros(entry.shape, np.bool_)
+            for chunk in entry.chunks:
+                where = f"{index.directory / chunk.file}: {key} chunk at {chunk.offsets}"
+                if len(chunk.offsets) != len(entry.shape) or any(
+                    o < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.shape)
+                ):
+                    raise ValueError(f"{where}: chunk {chunk.sizes} lies outside the tensor {entry.shape}.")
+                piece = load_torch_archive(files.read(chunk.file, chunk.start, chunk.length, key), where=where)
+                if not isinstance(piece, np.ndarray) or piece.shape != chunk.sizes or piece.dtype != dtype:
+                    got = (getattr(piece, "shape", type(piece).__name__), getattr(piece, "dtype", None))
+                    raise ValueError(f"{where}: expected a {entry.dtype} array of shape {chunk.sizes}; got {got}.")
+                region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+                if covered[region].any():
+                    raise ValueError(f"{where}: chunks overlap.")
+                array[region] = piece
+                covered[region] = True
+            if not covered.all():
+                missing = int(covered.size - covered.sum())
+                raise ValueError(f"{index.directory}: {key}: chunks leave {missing} of {math.prod(entry.shape)} "
+                                 "elements unwritten; a rank's file is missing from the metadata.")
+            out[key] = array
+    finally:
+        files.close()
+    return out
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def import_torch(what: str):
+    """``import torch``, or a ValueError saying that ``what`` needs it."""
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{what} needs torch; install it with pip install 'lwjax[megatron]', "
+                         "or use the numpy reader.") from None
+    return torch
+
+
+def to_numpy(obj):
+    """Turn torch tensors and dtypes inside ``obj`` into numpy arrays and ``"torch.<name>"`` strings."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(TORCH_DTYPES["bfloat16"]).copy()
+        return t.numpy().copy()
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if isinstance(obj, torch.Size):
+        return tuple(obj)
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
+        for key, value in obj.items():
+            out[to_numpy(key)] = to_numpy(value)
+        return out
+    if isinstance(obj, list):
+        return [to_numpy(x) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_numpy(x) for x in obj)
+    return obj
+
+
+def torch_load(source, *, where: str):
+    """``torch.load`` with ``weights_only=True``, admitting ``argparse.Namespace``; numpy out."""
+    import argparse
+    import pickle
+
+    torch = import_torch("reader='torch'")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        raise ValueError(f"{where}: torch.load failed: {str(err).splitlines()[0]}") from None
+    return to_numpy(obj)
+
+
+def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
+    """Load a DCP checkpoint through torch (``dcp.load``); same output as :func:`load_dcp`.
+
+    Torch reads ``.metadata`` with a plain ``pickle.load``: use this reader on
+    trusted checkpoints only. Byte entries are read with ``torch.load(weights_only=True)``.
+    """
+    import io
+    import warnings
+
+    import_torch("reader='torch'")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    directory = pathlib.Path(directory)
+    reader = FileSystemReader(str(directory))
+    meta = reader.read_metadata()
+    wanted = None if keys is None else set(keys)
+    tensors, out = {}, {}
+    for key, entry in meta.state_dict_metadata.items():
+        if wanted is not None and key not in wanted or isinstance(entry, BytesStorageMetadata):
+            continue
+        tensors[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    for key, entry in meta.state_dict_metadata.items():
+        if wanted is not None and key not in wanted:
+            continue
+        if isinstance(entry, BytesStorageMetadata):
+            info = next(v for k, v in meta.storage_data.items() if k.fqn == key)
+            with open(directory / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            out[key] = _unwrap(torch_load(io.BytesIO(data), where=f"{directory / info.relative_path}: {key}"))
+        else:
+            out[key] = to_numpy(tensors[key])
+    return out
+
+
+def _to_torch(array: np.ndarray):
+    import torch
+
+    array = np.ascontiguousarray(array)
+    if array.dtype == TORCH_DTYPES["bfloat16"]:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+def save_dcp_torch(directory, tensors: dict[str, np.ndarray], objects: dict[str, Any]) -> None:
+    """Write a DCP checkpoint with torch: one chunk per tensor, objects as byte entries.
+
+    Args:
+      directory: Target directory (created; must be empty or absent).
+      tensors: ``key -> numpy array`` (global).
+      objects: ``key -> picklable object``; stored the way Megatron stores a
+        ShardedObject (as a one-element list).
+    """
+    import warnings
+
+    import_torch("writing torch_dist")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    for key, value in objects.items():
+        if isinstance(value, Opaque):
+            raise ValueError(f"{key}: cannot write an object this reader could not rebuild ({value!r}).")
+    state: dict[str, Any] = {key: _to_torch(value) for key, value in tensors.items()}
+    state.update({key: [value] for key, value in objects.items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True),
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)

@@ -1,0 +1,231 @@
+"""lwjax checkpoints: restore at any dp size and policy, atomic saves, and clear errors on bad input."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwjax import checkpoint
+from lwjax.muon import MuonConfig
+from lwjax.optimizer import OptimizerConfig, from_logical, layerwise_muon, to_logical
+from lwjax.train import make_train_step
+
+MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest")
+CONFIG = OptimizerConfig(weight_decay=0.1, clip_grad=1.0)
+
+
+def mesh_of(dp):
+    return Mesh(np.array(jax.devices()[:dp]), ("dp",))
+
+
+def _loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"].astype(jnp.float32) + params["b1"].astype(jnp.float32))
+    return jnp.mean((h @ params["w2"].astype(jnp.float32) - y) ** 2)
+
+
+def _setup(dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, dtype), "b1": jnp.zeros(32, dtype),
+              "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, dtype)}
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    return params, (x, np.sin(x[:, :4]).astype(np.float32))
+
+
+def _optimizer(params, dp, policy):
+    return layerwise_muon(params, mesh_of(dp), learning_rate=0.05, muon=MUON, config=CONFIG, policy=policy,
+                          bucket_size=300)
+
+
+_STEPS = {}
+
+
+def _train(opt, params, state, batch, steps):
+    key = id(opt)
+    if key not in _STEPS:  # one compiled step per optimizer
+        _STEPS[key] = (opt, make_train_step(_loss, opt, donate=False))
+    step = _STEPS[key][1]
+    for _ in range(steps):
+        params, state, _ = step(params, state, batch)
+    return params, state
+
+
+def _assert_trees_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "src,dst,dtype",
+    [(4, 2, jnp.float32), (2, 4, jnp.float32), (1, 8, jnp.bfloat16), (8, 1, jnp.float32)],
+    ids=["4to2", "2to4", "1to8_bf16", "8to1"],
+)
+def test_restore_reshards_bit_identical_and_training_continues(tmp_path, src, dst, dtype):
+    params, batch = _setup(dtype)
+    a, b = _optimizer(params, src, "lpt"), _optimizer(params, dst, "size_matching")
+    p, s = _train(a, params, a.init(params), batch, 2)
+    saved = to_logical(a, s)
+    checkpoint.save_logical(tmp_path / "ckpt", p, saved, a.plan.routes)
+    p_b, s_b = checkpoint.restore(tmp_path / "ckpt", b)
+    # Bit-identical logical state and parameters, now on b's mesh and layout.
+    _assert_trees_equal(to_logical(b, s_b), saved)
+    _assert_trees_equal(p_b, p)
+    assert all(x.sharding.mesh == b.mesh for x in jax.tree.leaves((p_b, s_b)))
+    # Continued training equals an uninterrupted run on b (bitwise) and on a (to rounding).
+    resumed = _train(b, p_b, s_b, batch, 2)
+    direct = _train(b, jax.device_put(p, NamedSharding(b.mesh, P())), from_logical(b, saved), batch, 2)
+    _assert_trees_equal(resumed, direct)
+    straight = _train(a, p, s, batch, 2)
+    # Across dp sizes only the reduction order differs: fp32 rounding, or bf16 gradients' rounding.
+    rtol, atol = (3e-2, 3e-3) if dtype == jnp.bfloat16 else (1e-5, 1e-6)
+    for x, y in zip(jax.tree.leaves(resumed[0]), jax.tree.leaves(straight[0])):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol)
+
+
+def test_resume_at_same_dp_is_bitwise_identical_and_async_save_completes(tmp_path):
+    params, batch = _setup()
+    opt = _optimizer(params, 4, "ns_cost")
+    p, s = _train(opt, params, opt.init(params), batch, 2)
+    handle = checkpoint.save(tmp_path / "step2", p, s, opt, async_save=True)
+    assert str(handle.wait()) == str((tmp_path / "step2").resolve())
+    assert checkpoint.read_record(tmp_path / "step2")["step"] == 2
+    resumed = _train(opt, *checkpoint.restore(tmp_path / "step2", opt), batch, 2)
+    straight = _train(opt, p, s, batch, 2)
+    _assert_trees_equal(resumed, straight)
+
+
+_INTERRUPTED = textwrap.dedent("""
+    import os, signal, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    from orbax.checkpoint._src.path import atomicity
+    from lwjax import checkpoint
+    from lwjax.optimizer import layerwise_muon
+
+    async def killed(self):  # die after the data is written, before the commit rename
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = killed
+    params = {"w": np.ones((16, 8), np.float32), "b": np.zeros(8, np.float32)}
+    opt = layerwise_muon(params, Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    checkpoint.save(sys.argv[1], params, opt.init(params), opt)
+    print("save returned")
+""")
+
+
+def test_interrupted_save_never_restores_as_complete(tmp_path):
+    path = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED, str(path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert "save returned" not in proc.stdout
+    assert not path.exists()
+    leftovers = list(tmp_path.glob("ckpt.orbax-checkpoint-tmp*"))
+    assert leftovers, "the killed save should leave only orbax's temporary directory"
+    params, _ = _setup()
+    opt = _optimizer(params, 2, "lpt")
+    with pytest.raises(ValueError, match="interrupted before it completed"):
+        checkpoint.restore(path, opt)
+    with pytest.raises(ValueError, match="unfinished save"):
+        checkpoint.restore(leftovers[0], opt)
+
+
+def _saved(tmp_path, dtype=jnp.float32):
+    params, batch = _setup(dtype)
+    opt = _optimizer(params, 2, "lpt")
+    p, s = _train(opt, params, opt.init(params), batch, 1)
+    checkpoint.save(tmp_path / "ckpt", p, s, opt)
+    return tmp_path / "ckpt", params
+
+
+def test_restore_lists_every_mismatch_with_the_target(tmp_path):
+    path, params = _saved(tmp_path)
+    rng = np.random.default_rng(1)
+    other = {"w1": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32),  # shape differs
+             "w2": params["w2"].astype(jnp.bfloat16),  # dtype differs
+             "w3": jnp.zeros((4, 4))}  # not in the checkpoint; b1 is missing from the target
+    with pytest.raises(ValueError) as err:
+        checkpoint.restore(path, _optimizer(other, 2, "lpt"))
+    message = str(err.value)
+    for expected in ("missing: params/w3", "unexpected: params/b1", "missing: state/momenta/w3",
+                     "shape: params/w1: checkpoint (8, 32), target (8, 16)",
+                     "dtype: params/w2: checkpoint float32, target bfloat16"):
+        assert expected in message, message
+    adam_only = layerwise_muon(params, mesh_of(2), tied=["w1"])  # a tied leaf is never a Muon matrix
+    with pytest.raises(ValueError, match="routing: w1 is Muon in the checkpoint but elementwise in the target"):
+        checkpoint.restore(path, adam_only)
+
+
+def _data_files(path: pathlib.Path):
+    return sorted(f for f in (path / "arrays").rglob("*") if f.is_file() and f.parent.name == "d")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "record", "swapped_data"])
+def test_damaged_checkpoint_raises_and_restores_nothing(tmp_path, damage):
+    path, params = _saved(tmp_path)
+    if damage == "swapped_data":  # readable arrays of the same shapes, but not the ones recorded
+        opt = _optimizer(params, 2, "lpt")
+        checkpoint.save(tmp_path / "other", params, opt.init(params), opt)
+        shutil.rmtree(path / "arrays")
+        shutil.copytree(tmp_path / "other" / "arrays", path / "arrays")
+    elif damage == "record":
+        for f in (path / "lwjax").rglob("*"):
+            if f.is_file():
+                f.unlink()
+    else:
+        for data in _data_files(path):  # every tensorstore data file; the arrays live in some of them
+            raw = bytearray(data.read_bytes())
+            if damage == "truncate":
+                data.write_bytes(bytes(raw[: len(raw) // 2]))
+            else:
+                for i in range(len(raw) // 2, min(len(raw), len(raw) // 2 + 8)):
+                    raw[i] ^= 0x5A
+                data.write_bytes(bytes(raw))
+    expected = {"truncate": "unreadable", "flip": "unreadable", "record": "unreadable checkpoint record",
+                "swapped_data": r"corrupted checkpoint: the data of \d+ array\(s\) does not match"}[damage]
+    with pytest.raises(ValueError, match=expected):
+        checkpoint.restore(path, _optimizer(params, 2, "lpt"))
+
+
+def test_uncommitted_or_foreign_directories_are_refused(tmp_path):
+    path, params = _saved(tmp_path)
+    opt = _optimizer(params, 2, "lpt")
+    meta = path / "_CHECKPOINT_METADATA"
+    record = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**record, "commit_timestamp_nsecs": None}))
+    with pytest.raises(ValueError, match="not a complete lwjax checkpoint"):
+        checkpoint.restore(path, opt)
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        checkpoint.restore(tmp_path / "absent", opt)
+    with pytest.raises(ValueError, match="already exists"):
+        checkpoint.save(path, params, opt.init(params), opt)
+
+
+def test_fingerprints_agree_between_numpy_and_sharded_jax():
+    rng = np.random.default_rng(0)
+    arrays = {"f32": rng.standard_normal((8, 6)).astype(np.float32), "i32": np.arange(5, dtype=np.int32),
+              "scalar": np.asarray(3, np.int32)}
+    arrays["bf16"] = arrays["f32"].astype(jnp.bfloat16)
+    sharded = {k: jax.device_put(v, NamedSharding(mesh_of(2), P("dp") if v.ndim and v.shape[0] % 2 == 0 else P()))
+               for k, v in arrays.items()}
+    assert checkpoint.fingerprints(arrays) == checkpoint.fingerprints(sharded)
+    flipped = dict(arrays, f32=arrays["f32"].copy())
+    flipped["f32"][3, 2] = np.nextafter(flipped["f32"][3, 2], np.inf)
+    assert checkpoint.fingerprints(flipped)["f32"] != checkpoint.fingerprints(arrays)["f32"]
+    swapped = dict(arrays, i32=arrays["i32"][::-1].copy())
+    assert checkpoint.fingerprints(swapped)["i32"] != checkpoint.fingerprints(arrays)["i32"]
