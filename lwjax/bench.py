@@ -394,17 +394,3 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
                                 state_bytes_per_device=nbytes))
     return records
 
-
-def use_cpu_devices(count: int) -> None:
-    """On a CPU-only host, expose ``count`` virtual devices (call before jax initialises)."""
-    import os
-
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and not _has_accelerator():
-        jax.config.update("jax_num_cpu_devices", max(count, 1))
-
-
-def _has_accelerator() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("jax_cuda12_plugin") is not None or importlib.util.find_spec(
-        "jax_cuda13_plugin") is not None

@@ -16,7 +16,7 @@ from lwjax import optimizer as optimizer_lib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = ("index", "concepts", "quickstart", "routing", "configuration", "migration", "troubleshooting", "api",
-         "benchmarks")
+         "benchmarks", "multihost")
 PAGES_WITHOUT_PYTHON = ("index", "benchmarks")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SIGNATURE_BLOCK = re.compile(r"^### `([\w.]+)`\n+```text\n(.*?)^```", re.S | re.M)

@@ -36,7 +36,7 @@ def request_cpu_devices(count: int) -> bool:
 
 
 def local_mesh(num_devices: int | None = None, *, axis: str = "dp") -> Mesh:
-    """A 1-D data-parallel mesh over this process's devices.
+    """A 1-D data-parallel mesh over this process's devices, or over every process's in a multi-process job.
 
     Args:
       num_devices: How many devices to use; ``None`` means all of them, with
@@ -52,6 +52,11 @@ def local_mesh(num_devices: int | None = None, *, axis: str = "dp") -> Mesh:
     if num_devices is not None and num_devices < 1:
         raise ValueError(f"local_mesh: num_devices must be >= 1; got {num_devices=}.")
     request_cpu_devices(num_devices or DEFAULT_CPU_DEVICES)
+    from lwjax import distributed
+
+    distributed.initialize()  # joins a job started by `lwjax launch` or a cluster; no-op otherwise
+    if jax.process_count() > 1:
+        return distributed.global_mesh(num_devices, axis=axis)  # every process's devices, an equal share each
     devices = jax.devices()
     if num_devices is not None:
         if num_devices > len(devices):

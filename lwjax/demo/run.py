@@ -186,6 +186,9 @@ def run_demo(config: DemoConfig | None = None, *, console=None) -> dict:
 
     mesh = local_mesh(config.devices)  # before any other JAX work: sizes the CPU backend
     import jax
+
+    if jax.process_index() != 0:  # one process prints and writes for the whole job
+        config = dataclasses.replace(config, out=None, progress=False)
     import numpy as np
     from flax import nnx
     from jax.sharding import NamedSharding
