@@ -15,6 +15,11 @@ one array per (buffer, bucket). Padding is zero and stays zero.
 :func:`pack` and :func:`unpack` are inverses; both are static slices, reshapes
 and one concatenation per bucket, so they trace once under ``jit`` or
 ``shard_map`` and cost nothing per step in Python.
+
+Expert leaves are planned from their *local* shapes (``E / ep`` experts, see
+:attr:`lwjax.routing.LeafRoute.local_shape`): every expert-parallel rank has the
+same layout over its own experts, so :func:`pack` and :func:`unpack` work on
+device-local pytrees, which equal the global ones when there are no experts.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class SlotGroup:
         its shard. Ranks owning fewer matrices than the group's width point the
         spare slots at the shard size (a zero scratch area past the shard).
       names: ``names[r]``: the parameters behind rank ``r``'s real slots.
+      lr_mult, wd_mult: The learning-rate and weight-decay multipliers shared
+        by every matrix of the group.
     """
 
     bucket: int
@@ -72,6 +79,8 @@ class SlotGroup:
     qkv_split_shapes: tuple[int, ...] | None
     offsets: tuple[tuple[int, ...], ...]
     names: tuple[tuple[str, ...], ...]
+    lr_mult: float = 1.0
+    wd_mult: float = 1.0
 
     @property
     def width(self) -> int:
@@ -94,6 +103,9 @@ class BufferPlan:
       no_decay: ``no_decay[b][r]``: ``(shard_offset, numel)`` runs of rank
         ``r``'s shard of bucket ``b`` that weight decay skips (1-D parameters).
       padding: ``padding[b][r]``: elements of that shard that belong to no parameter.
+      runs: ``runs[b][r]``: ``(shard_offset, numel, leaf)`` of every parameter
+        run inside rank ``r``'s shard of bucket ``b``, in shard order; per-leaf
+        options (multipliers, norm groups) become per-element vectors from it.
     """
 
     key: BufferKey
@@ -104,6 +116,7 @@ class BufferPlan:
     slot_groups: tuple[SlotGroup, ...]
     no_decay: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
     padding: tuple[tuple[int, ...], ...]
+    runs: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -131,6 +144,16 @@ class ParamPlan:
     layout: FullParamLayout
     buffers: tuple[BufferPlan, ...]
 
+    @property
+    def grad_norm_groups(self) -> tuple[str, ...]:
+        """Names of the separate gradient-norm groups, sorted (the main norm is not listed)."""
+        return tuple(sorted({r.grad_norm_group for r in self.routes if r.grad_norm_group is not None}))
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any leaf is expert-parallel."""
+        return any(r.is_expert for r in self.routes)
+
 
 def leaf_records(tree) -> list[tuple]:
     """``(key_path, shape, dtype)`` of every leaf, in flatten order, for routing."""
@@ -143,6 +166,7 @@ def _buffer_plan(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
     sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
     segments = []
     no_decay = [[[] for _ in range(dp)] for _ in sizes]
+    runs = [[[] for _ in range(dp)] for _ in sizes]
     used = [[0] * dp for _ in sizes]
     owned: dict[tuple, list[list[tuple[int, str]]]] = {}
     for name, (start, end, bucket) in layout.param_index_map.items():
@@ -155,20 +179,22 @@ def _buffer_plan(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
         while cursor < end - bucket_start:  # the parameter's runs in each shard it touches
             rank, stop = cursor // size, min(end - bucket_start, (cursor // size + 1) * size)
             used[bucket][rank] += stop - cursor
+            runs[bucket][rank].append((cursor - rank * size, stop - cursor, leaf))
             if len(route.param_shape) <= 1:
                 no_decay[bucket][rank].append((cursor - rank * size, stop - cursor))
             cursor = stop
         if key.is_layer_wise:
             rank = layout.shard_of(name)
-            group_key = (bucket, route.param_shape, route.qkv_split_shapes)
+            group_key = (bucket, route.param_shape, route.qkv_split_shapes, route.lr_mult, route.wd_mult)
             per_rank = owned.setdefault(group_key, [[] for _ in range(dp)])
             per_rank[rank].append((start - bucket_start - rank * size, name))
     groups = []
-    for (bucket, shape, split), per_rank in sorted(owned.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or ())):
+    order = lambda kv: (kv[0][0], kv[0][1], kv[0][2] or (), kv[0][3], kv[0][4])  # noqa: E731
+    for (bucket, shape, split, lr_mult, wd_mult), per_rank in sorted(owned.items(), key=order):
         width = max(len(slots) for slots in per_rank)
         offsets = tuple(tuple(sorted(o for o, _ in s)) + (sizes[bucket],) * (width - len(s)) for s in per_rank)
         names = tuple(tuple(n for _, n in sorted(s)) for s in per_rank)
-        groups.append(SlotGroup(bucket, shape, split, offsets, names))
+        groups.append(SlotGroup(bucket, shape, split, offsets, names, lr_mult, wd_mult))
     return BufferPlan(
         key=key,
         layout=layout,
@@ -178,6 +204,7 @@ def _buffer_plan(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
         slot_groups=tuple(groups),
         no_decay=tuple(tuple(tuple(runs) for runs in per_bucket) for per_bucket in no_decay),
         padding=tuple(tuple(size - u for u in per_bucket) for size, per_bucket in zip(sizes, used)),
+        runs=tuple(tuple(tuple(sorted(r)) for r in per_bucket) for per_bucket in runs),
     )
 
 
@@ -190,23 +217,27 @@ def make_plan(
     high_busbw: bool = False,
     expert_dp: int | None = None,
     grad_reduce_in_fp32: bool = True,
+    expert_parallel: int = 1,
     **routing,
 ) -> ParamPlan:
     """Route a parameter pytree and lay out its buffers for ``dp`` ranks.
 
     Args:
-      params: The parameter pytree; leaves may be arrays or
+      params: The (global) parameter pytree; leaves may be arrays or
         ``jax.ShapeDtypeStruct`` (only shapes and dtypes are read).
-      dp: Data-parallel size.
+      dp: Data-parallel size of dense buffers (all data-parallel devices).
       policy, bucket_size, high_busbw, expert_dp, grad_reduce_in_fp32: See
         :func:`lwjax.policies.compute_full_param_layout`.
+      expert_parallel: Expert-parallel size; expert leaves are laid out from
+        their local shapes (``E / expert_parallel`` experts).
       **routing: Rules for :func:`lwjax.routing.route_leaves` (``is_muon``,
-        ``stacked``, ``tied``, ``expert``, ``qkv_split``).
+        ``stacked``, ``tied``, ``expert``, ``qkv_split``, ``lr_mult``,
+        ``wd_mult``, ``grad_norm_group``).
 
     Returns:
       The static :class:`ParamPlan`.
     """
-    routes = route_leaves(leaf_records(params), **routing)
+    routes = route_leaves(leaf_records(params), expert_parallel=expert_parallel, **routing)
     treedef = jax.tree_util.tree_structure(params)
     where = {}
     for leaf, route in enumerate(routes):
@@ -225,8 +256,11 @@ def make_plan(
     return ParamPlan(treedef=treedef, routes=routes, layout=layout, buffers=buffers)
 
 
-def check_tree(plan: ParamPlan, tree, what: str) -> list:
+def check_tree(plan: ParamPlan, tree, what: str, *, local: bool = True) -> list:
     """Flatten ``tree`` after checking it has the plan's structure, shapes and float dtypes.
+
+    ``local``: expert leaves have their device-local shapes (inside
+    ``shard_map``); else their global shapes.
 
     Raises:
       ValueError: naming the first mismatching path and what was expected.
@@ -237,8 +271,9 @@ def check_tree(plan: ParamPlan, tree, what: str) -> list:
     for route, leaf in zip(plan.routes, leaves):
         if leaf is None:
             continue
-        if tuple(leaf.shape) != route.shape:
-            raise ValueError(f"{what}: {route.path}: expected shape {route.shape}; got {tuple(leaf.shape)}.")
+        shape = route.local_shape if local else route.shape
+        if tuple(leaf.shape) != shape:
+            raise ValueError(f"{what}: {route.path}: expected shape {shape}; got {tuple(leaf.shape)}.")
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise ValueError(f"{what}: {route.path}: expected a floating dtype; got {leaf.dtype}.")
     return leaves
@@ -249,8 +284,8 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[Buckets
 
     Args:
       plan: The model's :class:`ParamPlan`.
-      tree: A pytree with the parameters' structure and shapes. Leaves may be
-        ``None`` where every buffer holding them is skipped.
+      tree: A pytree with the parameters' structure and (device-local)
+        shapes. Leaves may be ``None`` where every buffer holding them is skipped.
       dtypes: Per buffer, the dtype to pack into, or ``None`` to skip the
         buffer; defaults to each buffer's parameter dtype.
 
@@ -286,7 +321,7 @@ def unpack(plan: ParamPlan, buffers: Sequence[Buckets | None], dtypes: Sequence 
       dtypes: Per leaf, the dtype to return; defaults to the routed leaf dtype.
 
     Returns:
-      The parameter pytree.
+      The (device-local) parameter pytree.
     """
     segments: list[list[tuple[Segment, jax.Array]] | None] = [[] for _ in plan.routes]
     for buffer, buckets in zip(plan.buffers, buffers):
@@ -301,7 +336,7 @@ def unpack(plan: ParamPlan, buffers: Sequence[Buckets | None], dtypes: Sequence 
             leaves.append(None)
             continue
         dtype = dtypes[i] if dtypes is not None else route.dtype
-        leaves.append(_read_leaf(sorted(segments[i], key=lambda p: p[0].leaf_offset), route.shape).astype(dtype))
+        leaves.append(_read_leaf(sorted(segments[i], key=lambda p: p[0].leaf_offset), route.local_shape).astype(dtype))
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 

@@ -1,27 +1,32 @@
 """The layer-wise distributed optimizer: ZeRO-1 communication, Muon on whole matrices.
 
-Who holds what. Parameters (in their compute dtype, e.g. bf16) are replicated
-on every device of the data-parallel axis. Everything else lives in Megatron's
-buckets (:mod:`lwjax.buffers`), one array per (buffer, bucket) sharded over
-dp: device ``r`` holds shard ``r`` of every bucket, i.e. the fp32 master
-weights, Muon momentum and elementwise (AdamW) moments of exactly the
-parameters rank ``r`` owns. A Muon matrix is always owned whole, so
-Newton–Schulz runs locally on full matrices.
+Who holds what. Dense parameters (in their compute dtype, e.g. bf16) are
+replicated on every data-parallel device; with an expert axis ``ep``, expert
+parameters are split over ``ep`` on their expert axis and replicated over
+``dp``. Everything else lives in Megatron's buckets (:mod:`lwjax.buffers`),
+one array per (buffer, bucket): a dense bucket has a shard per data-parallel
+device (``dp * ep`` of them), an expert bucket a shard per ``dp`` rank of each
+expert group (see :mod:`lwjax.sharded_step`). A device's shards hold the fp32
+master weights, Muon momentum and elementwise (AdamW) moments of exactly the
+parameters it owns. A Muon matrix (one expert's matrix included) is always
+owned whole, so Newton–Schulz runs locally on full matrices.
 
-One step (:func:`update`, inside ``shard_map`` over the dp axis):
+One step (:func:`update`, inside ``shard_map`` over the data-parallel axes):
 
 1. pack the device's local gradients into flat buffers (gradient dtype);
-2. ``psum_scatter`` per bucket: rank ``r`` receives the dp-mean of its shards;
-3. global gradient norm from one ``psum`` of per-shard squared sums (each
-   element lives in exactly one shard, so nothing is counted twice); clip with
-   :math:`c = \\min(1, \\text{clip} / (\\lVert g \\rVert + 10^{-6}))`; count zeros;
+2. ``psum_scatter`` per bucket: each device receives the mean gradient of its shard;
+3. gradient norms from one ``psum`` of a small vector of per-group squared
+   sums (each element lives in exactly one shard, so nothing is counted
+   twice): the main norm, plus one per separate norm group (``grad_norm_group``);
+   clip each group with :math:`c = \\min(1, \\text{clip} / (\\lVert g \\rVert + 10^{-6}))`; count zeros;
 4. update owned state: Muon on the owned matrices, batched per shape group;
    the elementwise transform (Adam by default) plus decoupled weight decay on
-   the flat elementwise shards. A non-finite norm keeps the old state;
-5. cast masters to the parameter dtype and ``all_gather`` them, bucket by
-   bucket, back into the replicated parameter pytree. Each bucket's gather
-   depends only on its own updates, so XLA may overlap it with later buckets'
-   Newton–Schulz.
+   the flat elementwise shards, with per-parameter learning-rate and
+   weight-decay multipliers. A non-finite norm keeps the old state;
+5. cast masters to the parameter dtype and ``all_gather`` them (or broadcast
+   them, ``param_sync="broadcast"``), bucket by bucket, back into the
+   parameter pytree. Each bucket's gather depends only on its own updates, so
+   XLA may overlap it with later buckets' Newton–Schulz.
 """
 
 from __future__ import annotations
@@ -39,18 +44,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax import muon as muon_lib
-from lwjax.buffers import BufferPlan, ParamPlan, check_tree, make_plan, pack, unpack
+from lwjax import sharded_step as step_lib
+from lwjax.buffers import ParamPlan, check_tree, make_plan, pack, unpack
 from lwjax.policies import DEFAULT_POLICY, LayoutPolicy
+from lwjax.sharded_step import CLIP_EPS, PARAM_SYNCS, MeshAxes  # noqa: F401  (CLIP_EPS re-exported)
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
-CLIP_EPS = 1e-6
 
 
 class LayerwiseState(NamedTuple):
     """State of :func:`layerwise_muon`; arrays only, sharded over the dp axis."""
 
     count: jax.Array  # shape=(), int32: applied (not skipped) steps.
-    masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 masters, global [dp * S_b].
+    masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 masters, global [shards * S_b].
     momenta: tuple[tuple[jax.Array, ...] | None, ...]  # [buffer][bucket]: Muon momentum; None if elementwise.
     elementwise: tuple[tuple[Any, ...] | None, ...]  # [buffer][bucket]: optax state; None if layer-wise.
 
@@ -70,6 +76,9 @@ class OptimizerConfig:
       matrix_convention: How 2-D parameters are stored: ``"in_out"`` (flax
         kernels, ``x @ W``) or ``"out_in"`` (Megatron/torch weights). Muon's
         scale modes and QKV split read rows as the output dimension.
+      param_sync: How updated parameters reach every device: ``"all_gather"``
+        (one tiled all-gather per bucket) or ``"broadcast"``, Megatron's
+        reference path (each owner's shard broadcast; bitwise equal).
     """
 
     weight_decay: float = 0.01
@@ -77,8 +86,11 @@ class OptimizerConfig:
     grad_reduce_in_fp32: bool = True
     master_dtype: str = "float32"
     matrix_convention: str = "in_out"
+    param_sync: str = "all_gather"
 
     def __post_init__(self):
+        if self.param_sync not in PARAM_SYNCS:
+            raise ValueError(f"OptimizerConfig.param_sync must be one of {PARAM_SYNCS}; got {self.param_sync!r}.")
         if self.matrix_convention not in ("in_out", "out_in"):
             raise ValueError(
                 f"OptimizerConfig.matrix_convention must be 'in_out' or 'out_in'; got {self.matrix_convention!r}."
@@ -96,10 +108,16 @@ class LayerwiseOptimizer(NamedTuple):
       plan: The static :class:`~lwjax.buffers.ParamPlan` (routing and layout).
       mesh: The device mesh.
       axis: Name of the data-parallel mesh axis.
-      init: ``params -> LayerwiseState`` (jitted; state sharded over ``axis``).
+      init: ``params -> LayerwiseState`` (jitted; state sharded over the
+        data-parallel axes).
       update: ``(grads, state, params) -> (params, state, metrics)``; call it
-        inside ``shard_map`` over ``axis`` with this device's local gradients.
+        inside ``shard_map`` over :attr:`data_axes` with this device's local
+        gradients and parameters (expert leaves local, see ``param_specs``).
       state_specs: ``PartitionSpec`` pytree of the state, for ``shard_map``.
+      expert_axis: Name of the expert-parallel mesh axis, or ``None``.
+      param_specs: ``PartitionSpec`` pytree (prefix) of the parameters:
+        ``P()`` for dense leaves, the expert axis split over ``expert_axis``
+        for expert leaves; just ``P()`` when nothing is split.
     """
 
     plan: ParamPlan
@@ -108,88 +126,37 @@ class LayerwiseOptimizer(NamedTuple):
     init: Callable
     update: Callable
     state_specs: LayerwiseState
+    expert_axis: str | None = None
+    param_specs: Any = None
+
+    @property
+    def mesh_axes(self) -> MeshAxes:
+        """The :class:`~lwjax.sharded_step.MeshAxes` of this optimizer."""
+        return _mesh_axes(self.mesh, self.axis, self.expert_axis)
+
+    @property
+    def data_axes(self) -> str | tuple[str, str]:
+        """The axes all data-parallel devices span, ``axis`` or ``(axis, expert_axis)``; the batch is split over them."""
+        return self.mesh_axes.data
+
+    @property
+    def num_data(self) -> int:
+        """Number of data-parallel devices (``dp * ep``)."""
+        return self.mesh_axes.num_data
 
 
 def _schedule(value: ScalarOrSchedule) -> Callable[[jax.Array], jax.Array]:
     return value if callable(value) else (lambda count: jnp.asarray(value, jnp.float32))
 
 
-def _rank_table(rows, dtype=np.int32):
-    """A per-rank constant table; the caller indexes it with ``lax.axis_index``."""
-    return jnp.asarray(np.asarray(rows, dtype=dtype))
-
-
-def _rank_row(rows, rank, dtype=np.int32):
-    """Row ``rank`` of a per-rank table, static when every rank's row is the same."""
-    if all(tuple(r) == tuple(rows[0]) for r in rows):
-        return np.asarray(rows[0], dtype=dtype)
-    return _rank_table(rows, dtype)[rank]
-
-
-def _decay_mask(buffer: BufferPlan, bucket: int, rank) -> jax.Array | float:
-    """1.0 where weight decay applies in this rank's shard of ``bucket``, 0.0 on no-decay runs."""
-    per_rank = buffer.no_decay[bucket]
-    size = buffer.shard_sizes[bucket]
-    if not any(per_rank):
-        return 1.0
-    lengths, flags = [], []
-    for runs in per_rank:
-        row_len, row_flag, cursor = [], [], 0
-        for start, numel in sorted(runs):
-            row_len += [start - cursor, numel]
-            row_flag += [1.0, 0.0]
-            cursor = start + numel
-        lengths.append(row_len + [size - cursor])
-        flags.append(row_flag + [1.0])
-    width = max(len(r) for r in lengths)
-    lengths = [r + [0] * (width - len(r)) for r in lengths]
-    flags = [r + [1.0] * (width - len(r)) for r in flags]
-    # Behind an optimization barrier: a constant mask would be constant-folded by XLA
-    # at compile time, which is slow for large shards.
-    flags, lengths = lax.optimization_barrier((_rank_table(flags, np.float32)[rank], _rank_table(lengths)[rank]))
-    return jnp.repeat(flags, lengths, total_repeat_length=size)
-
-
-def _muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight_decay, muon_config, transpose):
-    """Muon on every whole matrix this rank owns in its shard of one layer-wise bucket.
-
-    Matrices are read with one gather per shape group and written back in
-    place. Returns the new master and momentum shards (the old ones where
-    ``finite`` is false) and the sum of squared master changes.
-    """
-    groups = [g for g in buffer.slot_groups if g.bucket == bucket]
-    size = buffer.shard_sizes[bucket]
-    delta_sq = jnp.zeros([], master.dtype)
-    # Ranks owning fewer matrices of a shape read and write spare slots in a zero scratch area.
-    spare = any(size in row for g in groups for row in g.offsets)
-    if spare:
-        scratch = max(m * n for m, n in (g.shape for g in groups))
-        extend = lambda x: jnp.concatenate([x, jnp.zeros(scratch, x.dtype)])  # noqa: E731
-        master, momentum, grad = extend(master), extend(momentum), extend(grad)
-    for group in groups:
-        m, n = group.shape
-        offsets = jnp.asarray(_rank_row(group.offsets, rank), jnp.int32)
-
-        def take(flat, offsets=offsets, m=m, n=n):
-            x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets)
-            x = x.reshape(-1, m, n)
-            return jnp.swapaxes(x, -1, -2) if transpose else x
-
-        old_p, old_m = take(master), take(momentum)
-        new_p, new_m = muon_lib.muon_update(
-            old_p, take(grad), old_m, learning_rate=lr, weight_decay=weight_decay, config=muon_config,
-            qkv_split_shapes=group.qkv_split_shapes,
-        )
-        new_p, new_m = jnp.where(finite, new_p, old_p), jnp.where(finite, new_m, old_m)
-        delta_sq += jnp.sum(jnp.square(new_p - old_p))
-        if transpose:
-            new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
-        for j in range(group.width):
-            master = lax.dynamic_update_slice(master, new_p[j].reshape(-1), (offsets[j],))
-            momentum = lax.dynamic_update_slice(momentum, new_m[j].reshape(-1), (offsets[j],))
-    if spare:
-        master, momentum = master[:size], momentum[:size]
-    return master, momentum, delta_sq
+def _mesh_axes(mesh: Mesh, axis: str, expert_axis: str | None) -> MeshAxes:
+    """Check the axis names against the mesh and return their :class:`MeshAxes`."""
+    for name, what in ((axis, "data-parallel"), (expert_axis, "expert-parallel")):
+        if name is not None and name not in mesh.axis_names:
+            raise ValueError(f"layerwise_muon: mesh has axes {mesh.axis_names}; no {what} axis {name!r}.")
+    if expert_axis == axis:
+        raise ValueError(f"layerwise_muon: expert_axis must differ from axis; got {axis=!r}, {expert_axis=!r}.")
+    return MeshAxes(axis, expert_axis, mesh.shape[axis], 1 if expert_axis is None else mesh.shape[expert_axis])
 
 
 def default_bucket_size(dp: int) -> int:
@@ -202,6 +169,7 @@ def layerwise_muon(
     mesh: Mesh,
     *,
     axis: str = "dp",
+    expert_axis: str | None = None,
     learning_rate: ScalarOrSchedule = 0.02,
     adam_learning_rate: ScalarOrSchedule | None = None,
     muon: muon_lib.MuonConfig = muon_lib.MuonConfig(),
@@ -220,13 +188,27 @@ def layerwise_muon(
 
     .. math::
 
-       p \\leftarrow p - \\eta_a (u + \\lambda\\, \\mathbb{1}_{\\text{decay}}\\, p),
+       p \\leftarrow p - \\eta_a m_\\eta (u + \\lambda m_\\lambda\\, \\mathbb{1}_{\\text{decay}}\\, p),
        \\qquad u = \\text{elementwise}(g)
 
+    with per-parameter multipliers :math:`m_\\eta` (``lr_mult``) and
+    :math:`m_\\lambda` (``wd_mult``); Muon matrices use the same multipliers.
+
+    Expert parallelism: with ``expert_axis``, every device of the mesh axes
+    ``(axis, expert_axis)`` is data-parallel for dense parameters (the batch is
+    split over both), and expert leaves (``expert=...``) are split over
+    ``expert_axis`` on their expert axis. Dense buffers are sharded over all
+    ``dp * ep`` devices, expert buffers over ``axis`` (Megatron's expert
+    data-parallel group); see :mod:`lwjax.sharded_step`. ``params`` are the
+    global parameters; the loss function sees the local experts and must
+    exchange tokens over ``expert_axis`` itself.
+
     Args:
-      params: The parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
+      params: The (global) parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
       mesh: A mesh with a data-parallel axis named ``axis``.
       axis: The data-parallel axis.
+      expert_axis: The expert-parallel axis, or ``None`` (expert leaves, if
+        any, then live in expert buffers sharded over ``axis``).
       learning_rate: Muon learning rate, or a schedule of the step count.
       adam_learning_rate: Learning rate of the elementwise parameters;
         defaults to ``learning_rate`` (Megatron uses one schedule for both).
@@ -241,32 +223,31 @@ def layerwise_muon(
         buckets let XLA overlap one bucket's all-gather with the next
         bucket's Newton–Schulz.
       high_busbw: Pad buckets for high NCCL bus bandwidth.
-      **routing: Routing rules (``is_muon``, ``stacked``, ``tied``, ``qkv_split``);
-        see :func:`lwjax.routing.route_leaves`.
+      **routing: Routing rules (``is_muon``, ``stacked``, ``tied``, ``expert``,
+        ``qkv_split``, ``lr_mult``, ``wd_mult``, ``grad_norm_group``); see
+        :func:`lwjax.routing.route_leaves`.
 
     Returns:
       A :class:`LayerwiseOptimizer`.
 
     Raises:
-      ValueError: ``axis`` not in the mesh, or a routing/layout rule broken.
+      ValueError: ``axis`` or ``expert_axis`` not in the mesh, or a
+        routing/layout rule broken.
     """
-    if axis not in mesh.axis_names:
-        raise ValueError(f"layerwise_muon: mesh has axes {mesh.axis_names}; no data-parallel axis {axis!r}.")
-    dp = mesh.shape[axis]
+    axes = _mesh_axes(mesh, axis, expert_axis)
     if bucket_size == "auto":
-        bucket_size = default_bucket_size(dp)
+        bucket_size = default_bucket_size(axes.num_data)
     plan = make_plan(
         params,
-        dp,
+        axes.num_data,
         policy=policy,
         bucket_size=bucket_size,
         high_busbw=high_busbw,
+        expert_dp=axes.dp_size,
         grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+        expert_parallel=axes.ep_size,
         **routing,
     )
-    expert = [r.path for r in plan.routes if r.is_expert]
-    if expert:
-        raise ValueError(f"{expert[0]}: expert-parallel parameters need an expert mesh axis, which is not supported yet.")
     tx = elementwise if elementwise is not None else optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
     muon_lr = _schedule(learning_rate)
     adam_lr = _schedule(adam_learning_rate if adam_learning_rate is not None else learning_rate)
@@ -275,13 +256,21 @@ def layerwise_muon(
         muon.scale_mode != "spectral" or any(r.qkv_split_shapes for r in plan.routes)
     )
     real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
-    padding_per_rank = [sum(p[r] for b in plan.buffers for p in b.padding) for r in range(dp)]
+    groups = (None, *plan.grad_norm_groups)  # norm group 0 is the main norm
+    group_of = [groups.index(r.grad_norm_group) for r in plan.routes]
+    lr_mult_of = [r.lr_mult for r in plan.routes]
+    decay_of = [config.weight_decay * r.wd_mult if len(r.param_shape) >= 2 else 0.0 for r in plan.routes]
+    param_specs = P()  # a prefix of the parameters: replicated, unless expert leaves are split
+    if expert_axis is not None and plan.has_experts:
+        param_specs = jax.tree_util.tree_unflatten(plan.treedef, [_param_spec(r, expert_axis) for r in plan.routes])
 
     def local_init(params):
-        rank = lax.axis_index(axis)
         packed = pack(plan, params, dtypes=[master_dtype] * len(plan.buffers))
         masters = tuple(
-            tuple(lax.dynamic_slice(flat, (rank * size,), (size,)) for flat, size in zip(buckets, b.shard_sizes))
+            tuple(
+                lax.dynamic_slice(flat, (axes.rank(b.key) * size,), (size,))
+                for flat, size in zip(buckets, b.shard_sizes)
+            )
             for b, buckets in zip(plan.buffers, packed)
         )
         momenta = tuple(
@@ -292,44 +281,49 @@ def layerwise_muon(
         )
         return LayerwiseState(jnp.zeros([], jnp.int32), masters, momenta, states)
 
-    def shard_spec(local):
-        """``P(axis)`` for leaves shaped like a shard, ``P()`` for scalars."""
-        return jax.tree.map(lambda x: P(axis) if x.shape == local.shape else P(), jax.eval_shape(tx.init, local))
+    def shard_spec(local, spec):
+        """``spec`` for leaves shaped like a shard, ``P()`` for scalars."""
+        return jax.tree.map(lambda x: spec if x.shape == local.shape else P(), jax.eval_shape(tx.init, local))
 
+    bucket_specs = [P(axes.state_axes(b.key)) for b in plan.buffers]
     state_specs = LayerwiseState(
         count=P(),
-        masters=tuple(tuple(P(axis) for _ in b.shard_sizes) for b in plan.buffers),
-        momenta=tuple(tuple(P(axis) for _ in b.shard_sizes) if b.key.is_layer_wise else None for b in plan.buffers),
+        masters=tuple(tuple(spec for _ in b.shard_sizes) for b, spec in zip(plan.buffers, bucket_specs)),
+        momenta=tuple(
+            tuple(spec for _ in b.shard_sizes) if b.key.is_layer_wise else None
+            for b, spec in zip(plan.buffers, bucket_specs)
+        ),
         elementwise=tuple(
             None
             if b.key.is_layer_wise
-            else tuple(shard_spec(jax.ShapeDtypeStruct((size,), master_dtype)) for size in b.shard_sizes)
-            for b in plan.buffers
+            else tuple(shard_spec(jax.ShapeDtypeStruct((size,), master_dtype), spec) for size in b.shard_sizes)
+            for b, spec in zip(plan.buffers, bucket_specs)
         ),
     )
 
     @jax.jit
     def init(params):
-        check_tree(plan, params, "init(params)")
-        return jax.shard_map(local_init, mesh=mesh, in_specs=(P(),), out_specs=state_specs, check_vma=False)(params)
+        check_tree(plan, params, "init(params)", local=False)
+        return jax.shard_map(
+            local_init, mesh=mesh, in_specs=(param_specs,), out_specs=state_specs, check_vma=False
+        )(params)
 
-    def apply_updates(state: LayerwiseState, grads, rank, finite):
-        """Phase 4: new masters and optimizer state for this rank's shards.
+    def apply_updates(state: LayerwiseState, grads, ranks, finite):
+        """Phase 4: new masters and optimizer state for this device's shards.
 
         Where ``finite`` is false every array keeps its old value; the select is
         fused into each update rather than branched on, so no host round trip
         stalls the all-gathers. Also returns the sum of squared master changes.
         """
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters, momenta, states, delta_sq = [], [], [], jnp.zeros([], master_dtype)
-        for buffer, b_masters, b_momenta, b_states, b_grads in zip(
-            plan.buffers, state.masters, state.momenta, state.elementwise, grads
+        for buffer, b_masters, b_momenta, b_states, b_grads, rank in zip(
+            plan.buffers, state.masters, state.momenta, state.elementwise, grads, ranks
         ):
             if buffer.key.is_layer_wise:
                 new = [
-                    _muon_shard(buffer, k, master, momentum, grad, rank, finite, lr_m, config.weight_decay, muon,
-                                transpose)
+                    step_lib.muon_shard(buffer, k, master, momentum, grad, rank, finite, lr_m, config.weight_decay,
+                                        muon, transpose)
                     for k, (master, momentum, grad) in enumerate(zip(b_masters, b_momenta, b_grads))
                 ]
                 masters.append(tuple(p for p, _, _ in new))
@@ -339,58 +333,61 @@ def layerwise_muon(
             else:
                 new_masters, new_states = [], []
                 for k, (master, tx_state, grad) in enumerate(zip(b_masters, b_states, b_grads)):
-                    direction, new_tx_state = tx.update(grad, tx_state, master)
-                    decay = config.weight_decay * _decay_mask(buffer, k, rank)
-                    new_master = keep(master - lr_a * (direction + decay * master), master)
+                    lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
+                    decay = step_lib.per_element(buffer, k, rank, decay_of)
+                    new_master, new_tx_state = step_lib.elementwise_shard(
+                        tx, master, tx_state, grad, finite, lr_a, lr_mult, decay)
                     delta_sq += jnp.sum(jnp.square(new_master - master))
                     new_masters.append(new_master)
-                    new_states.append(jax.tree.map(keep, new_tx_state, tx_state))
+                    new_states.append(new_tx_state)
                 masters.append(tuple(new_masters))
                 momenta.append(None)
                 states.append(tuple(new_states))
-        count = keep(state.count + 1, state.count)
+        count = jnp.where(finite, state.count + 1, state.count)
         return LayerwiseState(count, tuple(masters), tuple(momenta), tuple(states)), delta_sq
 
     def update(grads, state: LayerwiseState, params):
         check_tree(plan, grads, "update(grads)")
-        rank = lax.axis_index(axis)
-        # 1. Pack local gradients, scaled for a dp-mean, in the reduction dtype.
-        grad_dtypes = [b.key.grad_dtype for b in plan.buffers]
-        packed = pack(plan, jax.tree.map(lambda g: g.astype(master_dtype) / dp, grads), dtypes=grad_dtypes)
-        # 2. Reduce-scatter each bucket: this rank's shard, summed over dp.
-        shards = [tuple(lax.psum_scatter(flat, axis, tiled=True).astype(master_dtype) for flat in b) for b in packed]
-        flat_shards = [x for b in shards for x in b]
-        # 3. Global norm, clipping and zero count from one psum of per-shard sums.
-        padding = _rank_row([[p] for p in padding_per_rank], rank)[0]
-        sq_sum = sum(jnp.sum(jnp.square(x)) for x in flat_shards)
-        zeros = sum(jnp.sum(x == 0, dtype=jnp.int32) for x in flat_shards) - padding
-        sq_sum, zeros = lax.psum((sq_sum, zeros), axis)
-        grad_norm = jnp.sqrt(sq_sum)
-        finite = jnp.isfinite(grad_norm)
-        clip_coef = jnp.ones([], master_dtype)
+        ranks = [axes.rank(b.key) for b in plan.buffers]
+        # 1-2. Pack local gradients (scaled for the mean over dp * ep) and reduce-scatter each bucket.
+        shards = step_lib.reduce_scatter(plan, axes, grads, master_dtype)
+        # 3. Norm per group, clipping and zero count from one psum over every data-parallel device.
+        norm_groups = step_lib.norm_groups(plan, ranks, group_of)
+        sq_sums, zeros = step_lib.grad_statistics(plan, shards, ranks, norm_groups, len(groups))
+        sq_sums, zeros = lax.psum((sq_sums, zeros), axes.data)
+        norms = jnp.sqrt(sq_sums)
+        finite = jnp.all(jnp.isfinite(norms))
+        coefs = step_lib.clip_coefficients(norms, config.clip_grad)
         if config.clip_grad:
-            clip_coef = jnp.minimum(1.0, config.clip_grad / (grad_norm + CLIP_EPS)).astype(master_dtype)
-            shards = [tuple(x * clip_coef for x in b) for b in shards]
+            shards = step_lib.clip(shards, norm_groups, coefs)
         # 4. Update owned state; a non-finite norm keeps the old state.
-        new_state, delta_sq = apply_updates(state, shards, rank, finite)
-        update_rms = jnp.sqrt(lax.psum(delta_sq, axis) / real_numel)
-        # 5. Masters in parameter dtype, all-gathered bucket by bucket into the pytree.
-        gathered = [
-            tuple(lax.all_gather(m.astype(b.key.param_dtype), axis, tiled=True) for m in ms)
-            for b, ms in zip(plan.buffers, new_state.masters)
-        ]
+        new_state, delta_sq = apply_updates(state, shards, ranks, finite)
+        update_rms = jnp.sqrt(lax.psum(delta_sq, axes.data) / real_numel)
+        # 5. Masters in parameter dtype, gathered bucket by bucket into the pytree.
+        gathered = step_lib.gather_params(plan, axes, ranks, new_state.masters, config.param_sync)
         leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
         new_params = unpack(plan, gathered, dtypes=leaf_dtypes)
         metrics = {
-            "grad_norm": grad_norm,
-            "clip_coef": clip_coef,
+            "grad_norm": norms[0],
+            "clip_coef": coefs[0],
             "num_zeros": zeros,
             "update_rms": update_rms,
             "skipped": jnp.logical_not(finite),
         }
+        for g, name in enumerate(groups[1:], start=1):
+            metrics[f"grad_norm/{name}"] = norms[g]
+            metrics[f"clip_coef/{name}"] = coefs[g]
         return new_params, new_state, metrics
 
-    return LayerwiseOptimizer(plan=plan, mesh=mesh, axis=axis, init=init, update=update, state_specs=state_specs)
+    return LayerwiseOptimizer(plan=plan, mesh=mesh, axis=axis, init=init, update=update, state_specs=state_specs,
+                              expert_axis=expert_axis, param_specs=param_specs)
+
+
+def _param_spec(route, expert_axis: str | None) -> P:
+    """``P()`` for a dense leaf; an expert leaf's expert axis split over ``expert_axis``."""
+    if expert_axis is None or route.expert_dim is None:
+        return P()
+    return P(*([None] * route.expert_dim), expert_axis)
 
 
 def state_shardings(optimizer: LayerwiseOptimizer) -> LayerwiseState:
@@ -405,9 +402,10 @@ def state_shardings(optimizer: LayerwiseOptimizer) -> LayerwiseState:
 class LogicalState(NamedTuple):
     """:class:`LayerwiseState` per parameter: independent of dp size, layout and policy.
 
-    ``masters`` is shaped like the parameters; ``momenta`` too, with ``None``
-    for non-Muon leaves; ``elementwise`` is the elementwise optax state whose
-    per-element leaves are parameter-shaped trees (``None`` for Muon leaves).
+    ``masters`` is shaped like the (global) parameters, expert leaves with
+    all their experts; ``momenta`` too, with ``None`` for non-Muon leaves;
+    ``elementwise`` is the elementwise optax state whose per-element leaves are
+    parameter-shaped trees (``None`` for Muon leaves).
     """
 
     count: jax.Array  # shape=(), int32.
@@ -421,6 +419,60 @@ def logical_sharding(optimizer: LayerwiseOptimizer, x) -> NamedSharding:
     dp = optimizer.mesh.shape[optimizer.axis]
     spec = P(optimizer.axis) if x.ndim and x.shape[0] % dp == 0 else P()
     return NamedSharding(optimizer.mesh, spec)
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)[0]
+
+
+def _merge_experts(x: jax.Array, route) -> jax.Array:
+    """``[ep, *local_shape]`` (one slice per expert group) to the global leaf: experts ``e * E/ep + j``."""
+    return jnp.moveaxis(x, 0, route.expert_dim).reshape(route.shape)
+
+
+def _split_experts(x: jax.Array, route, ep: int) -> jax.Array:
+    """Inverse of :func:`_merge_experts`: a global expert leaf to ``[ep, *local_shape]``."""
+    d = route.expert_dim
+    return jnp.moveaxis(x.reshape(*route.shape[:d], ep, -1, *route.shape[d + 1:]), d, 0)
+
+
+def _unpack_global(optimizer: LayerwiseOptimizer, buffers, dtypes):
+    """:func:`~lwjax.buffers.unpack` of global state arrays into global (logical) leaves.
+
+    A dense bucket's global array is the bucket itself. An expert bucket's is
+    ``ep`` whole buckets, one per expert group (``ep``-major): each unpacks
+    into its group's local experts, concatenated on the expert axis.
+    """
+    plan = optimizer.plan
+    expert = [b.key.is_expert_parallel for b in plan.buffers]
+    dense = unpack(plan, [None if e else x for e, x in zip(expert, buffers)], dtypes=dtypes)
+    if not any(e and x is not None for e, x in zip(expert, buffers)):
+        return dense
+    ep = optimizer.mesh_axes.ep_size
+    groups = [tuple(b.reshape(ep, -1) for b in x) if e and x is not None else None for e, x in zip(expert, buffers)]
+    local = _leaves(jax.vmap(lambda bufs: unpack(plan, bufs, dtypes=dtypes))(groups))
+    leaves = [x if not r.is_expert or y is None else _merge_experts(y, r)
+              for x, y, r in zip(_leaves(dense), local, plan.routes)]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
+    """Inverse of :func:`_unpack_global`: global (logical) leaves into global state arrays per bucket."""
+    plan = optimizer.plan
+    expert = [b.key.is_expert_parallel for b in plan.buffers]
+    leaves = _leaves(tree)
+    dense_tree = jax.tree_util.tree_unflatten(plan.treedef, [None if r.is_expert else x
+                                                             for x, r in zip(leaves, plan.routes)])
+    dense = pack(plan, dense_tree, dtypes=[None if e else d for e, d in zip(expert, dtypes)])
+    if not any(e and d is not None for e, d in zip(expert, dtypes)):
+        return dense
+    ep = optimizer.mesh_axes.ep_size
+    local_tree = jax.tree_util.tree_unflatten(plan.treedef, [
+        _split_experts(x, r, ep) if r.is_expert and x is not None else None for x, r in zip(leaves, plan.routes)])
+    local = jax.vmap(lambda t: pack(plan, t, dtypes=[d if e else None for e, d in zip(expert, dtypes)]))(local_tree)
+    return tuple(
+        tuple(b.reshape(-1) for b in y) if e and y is not None else x for e, x, y in zip(expert, dense, local)
+    )
 
 
 def _elementwise_buffers(optimizer: LayerwiseOptimizer) -> list[int]:
@@ -442,8 +494,8 @@ def to_logical(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> LogicalS
 
     def convert(state):
         dtype = jax.tree.leaves(state.masters)[0].dtype
-        masters = unpack(plan, state.masters, dtypes=[dtype] * len(plan.routes))
-        momenta = unpack(plan, state.momenta, dtypes=[dtype] * len(plan.routes))
+        masters = _unpack_global(optimizer, state.masters, [dtype] * len(plan.routes))
+        momenta = _unpack_global(optimizer, state.momenta, [dtype] * len(plan.routes))
         elementwise = None
         if owners:
             # Per leaf position of the optax state: its shards of every elementwise bucket.
@@ -455,7 +507,7 @@ def to_logical(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> LogicalS
                 if _is_sharded(spec):
                     flats = [tuple(b[k] for b in per_bucket[i]) if i in owners else None
                              for i in range(len(plan.buffers))]
-                    leaves.append(unpack(plan, flats, dtypes=[per_bucket[owners[0]][0][k].dtype] * len(plan.routes)))
+                    leaves.append(_unpack_global(optimizer, flats, [per_bucket[owners[0]][0][k].dtype] * len(plan.routes)))
                 else:
                     leaves.append(per_bucket[owners[0]][0][k])
             elementwise = jax.tree.unflatten(treedef, leaves)
@@ -477,8 +529,8 @@ def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> Layerw
 
     def convert(logical):
         dtype = jax.tree.leaves(logical.masters)[0].dtype
-        masters = pack(plan, logical.masters, dtypes=[dtype] * len(plan.buffers))
-        momenta = pack(plan, logical.momenta, dtypes=[dtype if is_lw else None for is_lw in lw])
+        masters = _pack_global(optimizer, logical.masters, [dtype] * len(plan.buffers))
+        momenta = _pack_global(optimizer, logical.momenta, [dtype if is_lw else None for is_lw in lw])
         elementwise = [None] * len(plan.buffers)
         if owners:
             specs, treedef = jax.tree.flatten(optimizer.state_specs.elementwise[owners[0]][0],
@@ -491,7 +543,8 @@ def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> Layerw
                     tree = jax.tree.unflatten(plan.treedef, logical_leaves[cursor : cursor + n])
                     cursor += n
                     leaf_dtype = next(x.dtype for x in jax.tree.leaves(tree))
-                    per_leaf.append(pack(plan, tree, dtypes=[leaf_dtype if i in owners else None for i in range(len(lw))]))
+                    per_leaf.append(_pack_global(optimizer, tree, [leaf_dtype if i in owners else None
+                                                                   for i in range(len(lw))]))
                 else:
                     per_leaf.append(logical_leaves[cursor])
                     cursor += 1

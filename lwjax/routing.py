@@ -14,6 +14,17 @@ A leaf may *stack* independent parameters along leading axes: a scan-over-layers
 kernel ``[L, m, n]`` declared with ``stacked={"blocks/*": 1}`` is ``L``
 matrices, named ``"<path>[i]"``, each owned and orthogonalised on its own.
 
+Expert leaves (``expert=...``) stack one parameter per expert: ``[E, m, n]``,
+or ``[L, E, m, n]`` with ``stacked=2``. Their *expert axis* (by default the last
+stacked axis) is split over the expert-parallel mesh axis, so with
+``expert_parallel=ep`` each device holds ``E / ep`` experts and the layout names
+the local ones (``"<path>[j]"`` is local expert ``j``; on expert rank ``e`` it
+is global expert ``e * E / ep + j``).
+
+Per-parameter options, Megatron's parameter groups: ``lr_mult`` and
+``wd_mult`` scale the learning rate and weight decay, and ``grad_norm_group``
+puts a parameter into a separately clipped gradient-norm group (e.g. ``"mtp"``).
+
 Rules are given as ``{glob_pattern: value}`` mappings (first match wins,
 patterns match the whole name with :func:`fnmatch.fnmatchcase`) or as callables
 ``rule(name, shape) -> value or None`` (``None`` falls back to the default).
@@ -106,6 +117,14 @@ class LeafRoute:
       is_expert: Expert-parallel parameters.
       qkv_split_shapes: For a fused QKV Muon matrix, the output rows of q, k
         and v per query group (e.g. ``(128, 64, 64)``); ``None`` otherwise.
+      expert_dim: For expert leaves, the stacked axis that indexes experts
+        (split over the expert-parallel mesh axis); ``None`` otherwise.
+      expert_parallel: Expert-parallel size: each device holds
+        ``shape[expert_dim] / expert_parallel`` experts.
+      lr_mult: Learning-rate multiplier (Megatron's ``lr_mult``).
+      wd_mult: Weight-decay multiplier (Megatron's ``wd_mult``).
+      grad_norm_group: Name of a separate gradient-norm group, or ``None`` for
+        the main norm.
     """
 
     path: str
@@ -116,6 +135,15 @@ class LeafRoute:
     is_shared_embedding: bool = False
     is_expert: bool = False
     qkv_split_shapes: tuple[int, ...] | None = None
+    expert_dim: int | None = None
+    expert_parallel: int = 1
+    lr_mult: float = 1.0
+    wd_mult: float = 1.0
+    grad_norm_group: str | None = None
+
+    def __post_init__(self):
+        if self.is_expert and self.expert_dim is None and self.stack_dims:
+            object.__setattr__(self, "expert_dim", self.stack_dims - 1)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -123,25 +151,34 @@ class LeafRoute:
         return self.shape[self.stack_dims :]
 
     @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The leaf's shape on one device: the expert axis divided by ``expert_parallel``."""
+        if self.expert_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.expert_dim] //= self.expert_parallel
+        return tuple(shape)
+
+    @property
     def num_params(self) -> int:
-        """How many parameters the leaf stacks."""
-        return math.prod(self.shape[: self.stack_dims])
+        """How many parameters the leaf stacks on one device."""
+        return math.prod(self.local_shape[: self.stack_dims])
 
     def param_names(self) -> tuple[str, ...]:
-        """Names of the stacked parameters, in row-major stack order."""
+        """Names of the (device-local) stacked parameters, in row-major stack order."""
         if self.stack_dims == 0:
             return (self.path,)
         names = []
         for flat in range(self.num_params):
             index, rest = [], flat
-            for size in reversed(self.shape[: self.stack_dims]):
+            for size in reversed(self.local_shape[: self.stack_dims]):
                 index.append(rest % size)
                 rest //= size
             names.append(f"{self.path}[{','.join(map(str, reversed(index)))}]")
         return tuple(names)
 
     def specs(self) -> tuple[ParamSpec, ...]:
-        """One :class:`ParamSpec` per stacked parameter."""
+        """One :class:`ParamSpec` per (device-local) stacked parameter."""
         return tuple(
             ParamSpec(
                 name=name,
@@ -163,8 +200,12 @@ def route_leaves(
     tied: Rule[bool] | Sequence[str] = None,
     expert: Rule[bool] | Sequence[str] = None,
     qkv_split: Rule[tuple[int, ...]] = None,
+    lr_mult: Rule[float] = None,
+    wd_mult: Rule[float] = None,
+    grad_norm_group: Rule[str] = None,
+    expert_parallel: int = 1,
 ) -> tuple[LeafRoute, ...]:
-    """Decide, per leaf, its name, stacking and whether it is Muon, tied or expert.
+    """Decide, per leaf, its name, stacking, optimizer and parameter-group options.
 
     Args:
       leaves: ``(key_path, shape, dtype)`` per leaf in pytree flatten order;
@@ -172,17 +213,28 @@ def route_leaves(
       is_muon: Overrides the default Muon rule (2-D and not embedding/output).
       stacked: Number of leading stack axes per leaf (default 0).
       tied: Tied embeddings; never Muon.
-      expert: Expert-parallel leaves.
+      expert: Expert-parallel leaves. ``True`` puts the expert axis on the
+        last stacked axis (expert leaves are stacked once by default); an
+        ``int`` names the stacked axis that indexes experts.
       qkv_split: Per fused QKV Muon matrix, the q, k, v output rows of one
         query group; Muon orthogonalises the three blocks separately.
+      lr_mult: Learning-rate multiplier (default 1).
+      wd_mult: Weight-decay multiplier (default 1).
+      grad_norm_group: Name of a separate gradient-norm group (e.g. ``"mtp"``):
+        its parameters leave the main norm and are clipped by their own.
+      expert_parallel: Expert-parallel size; every expert axis must divide by it.
 
     Returns:
       One :class:`LeafRoute` per leaf, in input order.
 
     Raises:
       ValueError: duplicate names, non-floating dtypes, a Muon parameter that
-        is not 2-D, or a stack count out of range.
+        is not 2-D, a stack count out of range, an expert axis that is not
+        stacked or does not divide by ``expert_parallel``, or a bad multiplier
+        or group name.
     """
+    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) or expert_parallel < 1:
+        raise ValueError(f"route_leaves: expert_parallel must be a positive integer; got {expert_parallel=}.")
     tied, expert = _as_flag_rule(tied), _as_flag_rule(expert)
     routes, seen = [], set()
     for key_path, shape, dtype in leaves:
@@ -197,7 +249,10 @@ def route_leaves(
                 f"{name}: parameters must be floating point; got dtype={dtype_name}. "
                 "Keep integer state out of the parameter tree."
             )
-        stack = _apply_rule(stacked, name, shape, "stacked") or 0
+        expert_value = _apply_rule(expert, name, shape, "expert")
+        is_expert = expert_value is not None and expert_value is not False
+        stack = _apply_rule(stacked, name, shape, "stacked")
+        stack = (1 if is_expert else 0) if stack is None else stack
         if not 0 <= stack < max(len(shape), 1):
             raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
         param_shape = shape[stack:]
@@ -219,6 +274,9 @@ def route_leaves(
                 raise ValueError(
                     f"{name}: qkv_split needs a Muon matrix and positive row counts; got {split=}, is_muon={muon}."
                 )
+        expert_dim = _expert_dim(name, shape, stack, expert_value, expert_parallel) if is_expert else None
+        if is_expert and is_tied:
+            raise ValueError(f"{name}: a tied embedding cannot be an expert parameter; drop it from expert=...")
         routes.append(
             LeafRoute(
                 path=name,
@@ -227,11 +285,49 @@ def route_leaves(
                 stack_dims=stack,
                 is_muon=bool(muon),
                 is_shared_embedding=is_tied,
-                is_expert=bool(_apply_rule(expert, name, shape, "expert")),
+                is_expert=is_expert,
                 qkv_split_shapes=split,
+                expert_dim=expert_dim,
+                expert_parallel=expert_parallel if is_expert else 1,
+                lr_mult=_multiplier(name, "lr_mult", _apply_rule(lr_mult, name, shape, "lr_mult")),
+                wd_mult=_multiplier(name, "wd_mult", _apply_rule(wd_mult, name, shape, "wd_mult")),
+                grad_norm_group=_group_name(name, _apply_rule(grad_norm_group, name, shape, "grad_norm_group")),
             )
         )
     return tuple(routes)
+
+
+def _expert_dim(name: str, shape: tuple[int, ...], stack: int, value, expert_parallel: int) -> int:
+    """The stacked axis of an expert leaf that indexes experts; checks it divides by ``expert_parallel``."""
+    dim = stack - 1 if value is True else value
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < stack:
+        raise ValueError(
+            f"{name}: the expert axis must be one of the {stack} stacked axes; got expert={value!r} for {shape=}. "
+            "Stack expert leaves with stacked=... (e.g. 1 for [E, m, n], 2 for [L, E, m, n])."
+        )
+    if shape[dim] % expert_parallel:
+        raise ValueError(
+            f"{name}: {shape[dim]} experts (axis {dim} of {shape=}) do not divide by expert_parallel={expert_parallel}."
+        )
+    return dim
+
+
+def _multiplier(name: str, what: str, value) -> float:
+    """A learning-rate or weight-decay multiplier: a finite real number >= 0 (default 1)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: {what} must be a finite number >= 0; got {what}={value!r}.")
+    return float(value)
+
+
+def _group_name(name: str, value) -> str | None:
+    """A gradient-norm group: ``None`` (the main norm) or a non-empty string."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}: grad_norm_group must be a non-empty string or None; got {value!r}.")
+    return value
 
 
 def param_specs(routes: Iterable[LeafRoute]) -> tuple[ParamSpec, ...]:

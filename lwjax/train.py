@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import jax
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer
@@ -19,10 +20,16 @@ def make_train_step(
 ) -> Callable:
     """Build ``train_step(params, state, batch) -> (params, state, metrics)``, jitted.
 
-    Every device computes ``loss_fn(params, local_batch)`` and its gradients
-    on its slice of the batch (leading axis sharded over the dp axis); the
-    optimizer then reduce-scatters the gradients, updates the rank's own
-    state and all-gathers the new parameters (see :mod:`lwjax.optimizer`).
+    Every data-parallel device computes ``loss_fn(params, local_batch)`` and
+    its gradients on its slice of the batch (leading axis split over
+    ``optimizer.data_axes``: ``dp``, or ``(dp, ep)`` with expert parallelism);
+    the optimizer then reduce-scatters the gradients, updates the device's own
+    state and gathers the new parameters (see :mod:`lwjax.optimizer`).
+
+    With an expert axis, ``loss_fn`` sees the device's local experts (expert
+    leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
+    and exchanges tokens over ``ep`` itself, e.g. ``all_gather`` of the tokens,
+    the local experts, ``psum_scatter`` of their outputs.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over ``batch``.
@@ -30,40 +37,49 @@ def make_train_step(
       donate: Donate ``params`` and ``state`` buffers to the step.
 
     Returns:
-      The train step. ``metrics`` holds the dp-mean ``loss`` and the
+      The train step. ``metrics`` holds the mean ``loss`` and the
       optimizer's metrics (``grad_norm``, ``clip_coef``, ``num_zeros``,
-      ``update_rms``, ``skipped``).
+      ``update_rms``, ``skipped``, and ``grad_norm/<group>``,
+      ``clip_coef/<group>`` per separate norm group).
 
     Raises:
       ValueError: (at call time) a batch leaf whose leading axis does not
-        divide by the dp size.
+        divide by the number of data-parallel devices.
     """
-    mesh, axis = optimizer.mesh, optimizer.axis
-    dp = mesh.shape[axis]
+    mesh, axes = optimizer.mesh, optimizer.data_axes
+    num_data = optimizer.num_data
+    param_specs = optimizer.param_specs if optimizer.param_specs is not None else P()
+    dp = mesh.shape[optimizer.axis]
+    size_text = f"dp={dp}" if optimizer.expert_axis is None else f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
 
     def local_step(params, state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         params, state, metrics = optimizer.update(grads, state, params)
-        return params, state, {"loss": lax.pmean(loss, axis), **metrics}
+        return params, state, {"loss": lax.pmean(loss, axes), **metrics}
 
     step = jax.jit(
         jax.shard_map(
             local_step,
             mesh=mesh,
-            in_specs=(P(), optimizer.state_specs, P(axis)),
-            out_specs=(P(), optimizer.state_specs, P()),
+            in_specs=(param_specs, optimizer.state_specs, P(axes)),
+            out_specs=(param_specs, optimizer.state_specs, P()),
             check_vma=False,
         ),
         donate_argnums=(0, 1) if donate else (),
     )
+    param_shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), param_specs, is_leaf=lambda x: isinstance(x, P)
+    )
 
     def train_step(params, state, batch):
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if not leaf.shape or leaf.shape[0] % dp:
+            if not leaf.shape or leaf.shape[0] % num_data:
                 raise ValueError(
-                    f"batch{jax.tree_util.keystr(path)}: leading axis must divide by dp={dp}; "
+                    f"batch{jax.tree_util.keystr(path)}: leading axis must divide by {size_text}; "
                     f"got shape {tuple(leaf.shape)}."
                 )
-        return step(params, state, batch)
+        # Parameters handed in on one device are placed on the mesh first (a no-op for the
+        # step's own outputs), so the step compiles once, not again for its own outputs.
+        return step(jax.device_put(params, param_shardings), state, batch)
 
     return train_step

@@ -1,4 +1,12 @@
-"""An unsharded, per-leaf reference of the layer-wise optimizer's algorithm (for tests)."""
+"""An unsharded, per-leaf reference of the layer-wise optimizer's algorithm (for tests).
+
+Muon leaves use lwjax.muon.muon_update (checked against emerging_optimizers'
+fixtures in test_muon.py) on each stacked matrix (expert stacks included); other
+leaves use Adam with decoupled weight decay masked off 1-D parameters. Per leaf,
+``lr_mult`` and ``wd_mult`` scale the learning rate and weight decay. Gradients
+are clipped per norm group (the main norm, and one per ``grad_norm_group``) by
+that group's norm, in float32.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -8,36 +16,75 @@ import optax
 from lwjax import muon as muon_lib
 
 
-def reference_run(params, grads_per_step, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)):
-    """Apply len(grads_per_step) steps; each entry is a list of per-device grad pytrees.
+class Reference:
+    """Unsharded state: fp32 leaves, Muon momenta, per-leaf Adam state, over global (logical) shapes."""
 
-    Muon leaves use lwjax.muon.muon_update (checked against emerging_optimizers'
-    fixtures in test_muon.py) on each stacked matrix; other leaves use optax.adamw
-    with weight decay masked off 1-D parameters. Gradients are averaged over devices,
-    clipped by the global norm, in float32.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
-    muon_idx = [i for i, r in enumerate(routes) if r.is_muon]
-    adam_idx = [i for i, r in enumerate(routes) if not r.is_muon]
-    momenta = {i: jnp.zeros_like(leaves[i]) for i in muon_idx}
-    b1, b2, eps = adam
-    adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                        mask=[len(routes[i].param_shape) >= 2 for i in adam_idx])
-    adam_state = adamw.init([leaves[i] for i in adam_idx])
+    def __init__(self, params, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)):
+        leaves, self.treedef = jax.tree_util.tree_flatten(params)
+        self.leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
+        self.routes, self.lr, self.weight_decay, self.clip_grad, self.muon = routes, lr, weight_decay, clip_grad, muon_config
+        self.muon_idx = [i for i, r in enumerate(routes) if r.is_muon]
+        self.adam_idx = [i for i, r in enumerate(routes) if not r.is_muon]
+        self.momenta = {i: jnp.zeros_like(self.leaves[i]) for i in self.muon_idx}
+        self.adam = optax.scale_by_adam(*adam)
+        self.adam_state = self.adam.init([self.leaves[i] for i in self.adam_idx])
+
+    def params(self):
+        return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
+
+    def step(self, grads):
+        """One step from the global mean gradient leaves; returns ``{group: norm}`` and the zero count."""
+        g = [jnp.asarray(x, jnp.float32) for x in grads]
+        groups = {}
+        for i, r in enumerate(self.routes):
+            groups.setdefault(r.grad_norm_group, []).append(i)
+        norms = {name: jnp.sqrt(sum(jnp.sum(g[i] * g[i]) for i in idx)) for name, idx in groups.items()}
+        if self.clip_grad:
+            for name, idx in groups.items():
+                coef = jnp.minimum(1.0, self.clip_grad / (norms[name] + 1e-6))
+                for i in idx:
+                    g[i] = g[i] * coef
+        for i in self.muon_idx:
+            r = self.routes[i]
+            self.leaves[i], self.momenta[i] = muon_lib.muon_update(
+                self.leaves[i], g[i], self.momenta[i], learning_rate=self.lr * r.lr_mult,
+                weight_decay=self.weight_decay * r.wd_mult, config=self.muon, qkv_split_shapes=r.qkv_split_shapes,
+            )
+        updates, self.adam_state = self.adam.update([g[i] for i in self.adam_idx], self.adam_state)
+        for i, u in zip(self.adam_idx, updates):
+            r = self.routes[i]
+            decay = self.weight_decay * r.wd_mult if len(r.param_shape) >= 2 else 0.0
+            self.leaves[i] = self.leaves[i] - (self.lr * r.lr_mult) * (u + decay * self.leaves[i])
+        zeros = sum(int(jnp.sum(x == 0)) for x in grads)
+        return {name: float(n) for name, n in norms.items()}, zeros
+
+    def logical(self):
+        """``(masters, momenta, mu, nu)`` as parameter-shaped trees, ``None`` where a leaf has no such state."""
+        n = len(self.leaves)
+        mu, nu = [None] * n, [None] * n
+        for k, i in enumerate(self.adam_idx):
+            mu[i], nu[i] = self.adam_state.mu[k], self.adam_state.nu[k]
+        momenta = [self.momenta.get(i) for i in range(n)]
+        tree = lambda xs: jax.tree_util.tree_unflatten(self.treedef, xs)  # noqa: E731
+        return tree(self.leaves), tree(momenta), tree(mu), tree(nu)
+
+
+def reference_run(params, grads_per_step, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)):
+    """Apply len(grads_per_step) steps; each entry is a list of per-device grad pytrees (averaged)."""
+    ref = Reference(params, routes, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, muon_config=muon_config,
+                    adam=adam)
     for device_grads in grads_per_step:
         flat = [jax.tree_util.tree_leaves(g) for g in device_grads]
-        g = [sum(jnp.asarray(d[i], jnp.float32) for d in flat) / len(flat) for i in range(len(leaves))]
-        norm = jnp.sqrt(sum(jnp.sum(x * x) for x in g))
-        if clip_grad:
-            coef = jnp.minimum(1.0, clip_grad / (norm + 1e-6))
-            g = [x * coef for x in g]
-        for i in muon_idx:
-            leaves[i], momenta[i] = muon_lib.muon_update(
-                leaves[i], g[i], momenta[i], learning_rate=lr, weight_decay=weight_decay,
-                config=muon_config, qkv_split_shapes=routes[i].qkv_split_shapes,
-            )
-        updates, adam_state = adamw.update([g[i] for i in adam_idx], adam_state, [leaves[i] for i in adam_idx])
-        for i, u in zip(adam_idx, updates):
-            leaves[i] = leaves[i] + u
-    return jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
+        ref.step([sum(jnp.asarray(d[i], jnp.float32) for d in flat) / len(flat) for i in range(len(ref.leaves))])
+    return ref.params()
+
+
+def reference_train(params, loss_fn, batches, routes, **options):
+    """Train on whole batches with ``jax.grad(loss_fn)``; returns the :class:`Reference` and per-step statistics."""
+    ref = Reference(params, routes, **options)
+    grad_fn = jax.jit(jax.grad(loss_fn))
+    stats = []
+    for batch in batches:
+        grads = jax.tree_util.tree_leaves(grad_fn(jax.tree_util.tree_unflatten(ref.treedef, ref.leaves), batch))
+        stats.append(ref.step(grads))
+    return ref, stats

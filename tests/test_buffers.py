@@ -95,3 +95,19 @@ def test_pack_rejects_mismatched_trees():
         pack(plan, {**params, "lonely": params["lonely"].T})
     with pytest.raises(ValueError, match="bias: expected a floating dtype"):
         pack(plan, {**params, "bias": jnp.zeros(13, jnp.int32)})
+
+
+def test_make_plan_lays_out_local_experts_over_expert_dp():
+    params = {"dense": jnp.zeros((8, 8)), "experts": {"up": jnp.zeros((8, 8, 16)), "b": jnp.zeros((8, 16))}}
+    plan = make_plan(params, 8, expert_dp=2, expert_parallel=4, expert=["experts/*"], lr_mult={"experts/up": 0.5})
+    by_key = {(b.key.is_expert_parallel, b.key.is_layer_wise): b for b in plan.buffers}
+    assert by_key[(True, True)].dp == by_key[(True, False)].dp == 2 and by_key[(False, True)].dp == 8
+    assert sorted(by_key[(True, True)].layout.param_index_map) == ["experts/up[0]", "experts/up[1]"]
+    assert {(g.lr_mult, g.wd_mult) for g in by_key[(True, True)].slot_groups} == {(0.5, 1.0)}
+    rng = np.random.default_rng(0)
+    local = {"dense": params["dense"] + 1,
+             "experts": {"up": jnp.asarray(rng.standard_normal((2, 8, 16))), "b": jnp.asarray(rng.standard_normal((2, 16)))}}
+    for a, b in zip(jax.tree.leaves(unpack(plan, pack(plan, local))), jax.tree.leaves(local)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"pack: experts/b: expected shape \(2, 16\); got \(8, 16\)"):
+        pack(plan, params)

@@ -103,3 +103,35 @@ def test_layout_layer_imports_no_jax():
         "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules if sys.modules[m] is not None)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_route_leaves_expert_leaves_are_stacked_per_expert_and_split_over_ep():
+    recs = [("moe/experts/up", (8, 4, 6), "float32"), ("moe/experts/b", (8, 6), "float32"),
+            ("scan/experts/down", (3, 8, 6, 4), "float32"), ("dense", (4, 4), "float32")]
+    routes = {r.path: r for r in route_leaves(recs, expert=["*/experts/*"], stacked={"scan/*": 2}, expert_parallel=4)}
+    up = routes["moe/experts/up"]
+    assert up.is_expert and up.is_muon and up.stack_dims == 1 and up.expert_dim == 0
+    assert up.local_shape == (2, 4, 6) and up.param_names() == ("moe/experts/up[0]", "moe/experts/up[1]")
+    assert not routes["moe/experts/b"].is_muon and routes["moe/experts/b"].local_shape == (2, 6)
+    down = routes["scan/experts/down"]
+    assert down.expert_dim == 1 and down.local_shape == (3, 2, 6, 4) and down.num_params == 6
+    assert not routes["dense"].is_expert and routes["dense"].local_shape == (4, 4)
+    (first,) = route_leaves([("x", (8, 3, 4, 4), "float32")], expert={"x": 0}, stacked={"x": 2}, expert_parallel=2)
+    assert first.expert_dim == 0 and first.local_shape == (4, 3, 4, 4)
+
+
+def test_route_leaves_rejects_bad_expert_leaves():
+    with pytest.raises(ValueError, match=r"moe/w: 6 experts \(axis 0 of shape=\(6, 4, 4\)\) do not divide by expert_parallel=4"):
+        route_leaves([("moe/w", (6, 4, 4), "float32")], expert=["moe/*"], expert_parallel=4)
+    with pytest.raises(ValueError, match="moe/w: the expert axis must be one of the 0 stacked axes"):
+        route_leaves([("moe/w", (6, 4, 4), "float32")], expert=["moe/*"], stacked={"moe/*": 0})
+    with pytest.raises(ValueError, match="emb: a tied embedding cannot be an expert"):
+        route_leaves([("emb", (6, 4), "float32")], expert=["emb"], tied=["emb"])
+
+
+def test_route_leaves_group_options_by_pattern_and_callable():
+    recs = [("a/w", (4, 4), "float32"), ("mtp/w", (4, 4), "float32"), ("c", (4,), "float32")]
+    routes = route_leaves(recs, lr_mult={"a/*": 0.1}, wd_mult=lambda name, shape: 0.0 if len(shape) == 1 else None,
+                          grad_norm_group={"mtp/*": "mtp"})
+    assert [(r.lr_mult, r.wd_mult, r.grad_norm_group) for r in routes] == [
+        (0.1, 1.0, None), (1.0, 1.0, "mtp"), (1.0, 0.0, None)]

@@ -1,0 +1,283 @@
+"""One device's share of the layer-wise step, phase by phase (called inside ``shard_map``).
+
+Rank spaces. The data-parallel devices span the mesh axes ``(dp, ep)`` (just
+``dp`` without expert parallelism). A *dense* bucket has one shard per
+data-parallel device: shard ``r`` lives on the device with
+``lax.axis_index((dp, ep)) == r``, which is the shard a tiled ``psum_scatter``
+over ``(dp, ep)`` delivers there and the block a ``P((dp, ep))``-sharded array
+puts there (``dp``-major). An *expert* bucket has one shard per ``dp`` rank
+inside each expert-parallel group: devices with the same ``ep`` index hold the
+same experts, and shard ``r`` lives on ``dp`` rank ``r``. So every element of
+every buffer lives on exactly one device, and a ``psum`` over ``(dp, ep)`` of
+per-device sums counts each parameter exactly once.
+
+Gradient scale. Every local gradient is divided by ``dp * ep``, Megatron's
+``1 / dp_cp_size``, for dense and expert buffers alike. A dense gradient is
+then summed over all ``dp * ep`` devices. An expert's local gradient already
+sums its expert-parallel group's tokens (the token exchange of an
+expert-parallel forward transposes into that sum), so its sum over ``dp`` is
+the gradient of the global mean loss too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lwjax import muon as muon_lib
+from lwjax.buffers import BufferPlan, ParamPlan, pack
+from lwjax.layout import BufferKey
+
+CLIP_EPS = 1e-6
+PARAM_SYNCS = ("all_gather", "broadcast")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """The data-parallel mesh axes of a step and which buffers live on which.
+
+    Attributes:
+      dp: The data-parallel axis (Megatron's expert data-parallel group).
+      ep: The expert-parallel axis, or ``None`` without expert parallelism.
+      dp_size: Size of ``dp``.
+      ep_size: Size of ``ep`` (1 when ``ep`` is ``None``).
+    """
+
+    dp: str
+    ep: str | None = None
+    dp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def data(self) -> str | tuple[str, str]:
+        """All data-parallel devices: the batch and the dense buffers are split over these axes."""
+        return self.dp if self.ep is None else (self.dp, self.ep)
+
+    @property
+    def num_data(self) -> int:
+        """Number of data-parallel devices, ``dp * ep``."""
+        return self.dp_size * self.ep_size
+
+    def of(self, key: BufferKey) -> str | tuple[str, str]:
+        """The axes a buffer is reduce-scattered over and gathered from."""
+        return self.dp if key.is_expert_parallel else self.data
+
+    def state_axes(self, key: BufferKey) -> str | tuple[str, str]:
+        """Axes of a buffer's global state arrays: expert buckets ``ep``-major, one whole bucket per expert group."""
+        if key.is_expert_parallel and self.ep is not None:
+            return (self.ep, self.dp)
+        return self.data
+
+    def rank(self, key: BufferKey) -> jax.Array:
+        """This device's shard index in a buffer of this key (traced)."""
+        return lax.axis_index(self.of(key))
+
+
+def rank_table(rows, dtype=np.int32) -> jax.Array:
+    """A per-rank constant table; the caller indexes it with ``lax.axis_index``."""
+    return jnp.asarray(np.asarray(rows, dtype=dtype))
+
+
+def rank_row(rows, rank, dtype=np.int32):
+    """Row ``rank`` of a per-rank table, static when every rank's row is the same."""
+    if all(tuple(r) == tuple(rows[0]) for r in rows):
+        return np.asarray(rows[0], dtype=dtype)
+    return rank_table(rows, dtype)[rank]
+
+
+def _merge_runs(pieces: list[tuple[int, object]]) -> list[list]:
+    """Drop empty ``(length, value)`` runs and merge neighbours with equal values."""
+    merged: list[list] = []
+    for length, value in pieces:
+        if length and merged and merged[-1][1] == value:
+            merged[-1][0] += length
+        elif length:
+            merged.append([length, value])
+    return merged
+
+
+def per_element(buffer: BufferPlan, bucket: int, rank, value_of: Sequence, dtype=np.float32):
+    """Per-element values of this rank's shard of ``bucket``: ``value_of[leaf]`` on each parameter's elements.
+
+    Padding is zero in every gradient and master, so its value never matters.
+    When every parameter of the bucket (on every rank) has the same value, that
+    value comes back as a Python scalar; otherwise a vector ``[S_b]`` built by
+    ``jnp.repeat`` from a per-rank run table.
+    """
+    per_rank = buffer.runs[bucket]
+    values = {value_of[leaf] for runs in per_rank for _, _, leaf in runs}
+    if len(values) <= 1:
+        return next(iter(values), 0)
+    size, fill = buffer.shard_sizes[bucket], min(values)
+    lengths, rows = [], []
+    for runs in per_rank:
+        pieces, cursor = [], 0  # (length, value) in shard order: the gap before each parameter, then it
+        for start, numel, leaf in runs:
+            pieces += [(start - cursor, fill), (numel, value_of[leaf])]
+            cursor = start + numel
+        merged = _merge_runs([*pieces, (size - cursor, fill)])
+        lengths.append([n for n, _ in merged])
+        rows.append([v for _, v in merged])
+    width = max(len(r) for r in lengths)
+    lengths = [r + [0] * (width - len(r)) for r in lengths]
+    rows = [r + [fill] * (width - len(r)) for r in rows]
+    # Behind an optimization barrier: a constant vector would be constant-folded by XLA
+    # at compile time, which is slow for large shards.
+    row, length = lax.optimization_barrier((rank_table(rows, dtype)[rank], rank_table(lengths)[rank]))
+    return jnp.repeat(row, length, total_repeat_length=size)
+
+
+def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype) -> list[tuple[jax.Array, ...]]:
+    """Phases 1–2: pack local gradients divided by ``dp * ep``, reduce-scatter each bucket over its axes.
+
+    Returns, per buffer and bucket, this device's summed shard in ``dtype``.
+    """
+    packed = pack(plan, jax.tree.map(lambda g: g.astype(dtype) / axes.num_data, grads),
+                  dtypes=[b.key.grad_dtype for b in plan.buffers])
+    return [
+        tuple(lax.psum_scatter(flat, axes.of(b.key), tiled=True).astype(dtype) for flat in buckets)
+        for b, buckets in zip(plan.buffers, packed)
+    ]
+
+
+def norm_groups(plan: ParamPlan, ranks, group_of: Sequence[int]) -> list[list]:
+    """Per buffer and bucket, the norm group of each shard element (:func:`per_element` of ``group_of[leaf]``)."""
+    return [
+        [per_element(buffer, k, rank, group_of, np.int32) for k in range(buffer.num_buckets)]
+        for buffer, rank in zip(plan.buffers, ranks)
+    ]
+
+
+def grad_statistics(plan: ParamPlan, shards, ranks, groups, num_groups: int):
+    """Phase 3, this device's part: per norm group the sum of squared gradients, and the zero count.
+
+    .. math:: s_k = \\sum_{i \\in \\text{shard},\\, \\text{group}(i) = k} g_i^2
+
+    ``groups`` comes from :func:`norm_groups` (group 0 is the main norm).
+    Padding is excluded from the zero count. A ``psum`` of both over all
+    data-parallel devices gives the global values.
+    """
+    sums = [0] * num_groups
+    zeros = 0
+    for buffer, buckets, rank, bucket_groups in zip(plan.buffers, shards, ranks, groups):
+        for x, group in zip(buckets, bucket_groups):
+            square = jnp.square(x)
+            if isinstance(group, jax.Array):
+                for g in range(num_groups):
+                    sums[g] = sums[g] + jnp.sum(jnp.where(group == g, square, 0))
+            else:
+                sums[group] = sums[group] + jnp.sum(square)
+            zeros = zeros + jnp.sum(x == 0, dtype=jnp.int32)
+        padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
+        zeros = zeros - rank_row(padding, rank)[0]
+    dtype = shards[0][0].dtype if shards and shards[0] else jnp.float32
+    return jnp.stack([jnp.asarray(s, dtype) for s in sums]), jnp.asarray(zeros, jnp.int32)
+
+
+def clip_coefficients(norms: jax.Array, clip_grad: float | None) -> jax.Array:
+    """Per group :math:`c_k = \\min(1, \\text{clip} / (\\lVert g_k \\rVert + 10^{-6}))`; ones when clipping is off."""
+    if not clip_grad:
+        return jnp.ones_like(norms)
+    return jnp.minimum(1.0, clip_grad / (norms + CLIP_EPS)).astype(norms.dtype)
+
+
+def clip(shards, groups, coefs: jax.Array):
+    """Scale every gradient shard element by its norm group's clip coefficient (``groups``: :func:`norm_groups`)."""
+    return [tuple(x * coefs[g] for x, g in zip(buckets, bucket_groups)) for buckets, bucket_groups in zip(shards, groups)]
+
+
+def muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight_decay, muon_config, transpose):
+    """Muon on every whole matrix this rank owns in its shard of one layer-wise bucket.
+
+    Matrices are read with one gather per slot group (same shape and
+    multipliers) and written back in place; group ``j`` steps with learning
+    rate ``lr * lr_mult_j`` and weight decay ``weight_decay * wd_mult_j``.
+    Returns the new master and momentum shards (the old ones where ``finite``
+    is false) and the sum of squared master changes.
+    """
+    groups = [g for g in buffer.slot_groups if g.bucket == bucket]
+    size = buffer.shard_sizes[bucket]
+    delta_sq = jnp.zeros([], master.dtype)
+    # Ranks owning fewer matrices of a shape read and write spare slots in a zero scratch area.
+    spare = any(size in row for g in groups for row in g.offsets)
+    if spare:
+        scratch = max(m * n for m, n in (g.shape for g in groups))
+        extend = lambda x: jnp.concatenate([x, jnp.zeros(scratch, x.dtype)])  # noqa: E731
+        master, momentum, grad = extend(master), extend(momentum), extend(grad)
+    for group in groups:
+        m, n = group.shape
+        offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
+
+        def take(flat, offsets=offsets, m=m, n=n):
+            x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets)
+            x = x.reshape(-1, m, n)
+            return jnp.swapaxes(x, -1, -2) if transpose else x
+
+        old_p, old_m = take(master), take(momentum)
+        new_p, new_m = muon_lib.muon_update(
+            old_p, take(grad), old_m, learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
+            weight_decay=weight_decay * group.wd_mult, config=muon_config, qkv_split_shapes=group.qkv_split_shapes,
+        )
+        new_p, new_m = jnp.where(finite, new_p, old_p), jnp.where(finite, new_m, old_m)
+        delta_sq += jnp.sum(jnp.square(new_p - old_p))
+        if transpose:
+            new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
+        for j in range(group.width):
+            master = lax.dynamic_update_slice(master, new_p[j].reshape(-1), (offsets[j],))
+            momentum = lax.dynamic_update_slice(momentum, new_m[j].reshape(-1), (offsets[j],))
+    if spare:
+        master, momentum = master[:size], momentum[:size]
+    return master, momentum, delta_sq
+
+
+def elementwise_shard(tx, master, tx_state, grad, finite, lr, lr_mult, decay):
+    """The elementwise transform plus decoupled weight decay on one flat shard.
+
+    .. math:: p \\leftarrow p - \\eta\\, m_\\eta (u + \\lambda m_\\lambda p), \\qquad u = \\text{tx}(g)
+
+    ``lr_mult`` (:math:`m_\\eta`) and ``decay`` (:math:`\\lambda m_\\lambda`, zero
+    on 1-D parameters) are scalars or per-element vectors (:func:`per_element`).
+    Returns the new master and optax state (the old ones where ``finite`` is false).
+    """
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    direction, new_tx_state = tx.update(grad, tx_state, master)
+    step = lr * lr_mult if not (isinstance(lr_mult, (int, float)) and lr_mult == 1) else lr
+    new_master = keep(master - step * (direction + decay * master), master)
+    return new_master, jax.tree.map(keep, new_tx_state, tx_state)
+
+
+def _broadcast(shard: jax.Array, axes, rank, num_shards: int) -> jax.Array:
+    """Every owner's shard on every device, as Megatron's ``broadcast_params`` does.
+
+    Each device writes its shard's bit pattern at its offset into a zero
+    bucket of unsigned integers and the buckets are summed: only the owner's
+    term is non-zero at any element, so the sum is the owner's bits exactly
+    (``-0.0`` and NaN payloads included).
+    """
+    size = shard.shape[0]
+    bits = lax.bitcast_convert_type(shard, jnp.dtype(f"uint{8 * shard.dtype.itemsize}"))
+    wide = jnp.promote_types(bits.dtype, jnp.uint32)
+    bucket = lax.dynamic_update_slice(jnp.zeros(num_shards * size, wide), bits.astype(wide), (rank * size,))
+    return lax.bitcast_convert_type(lax.psum(bucket, axes).astype(bits.dtype), shard.dtype)
+
+
+def gather_params(plan: ParamPlan, axes: MeshAxes, ranks, masters, param_sync: str = "all_gather"):
+    """Phase 5: masters in parameter dtype, gathered bucket by bucket into whole buckets on every device.
+
+    ``param_sync="all_gather"``: one tiled ``all_gather`` per bucket.
+    ``"broadcast"``: the reference path, bitwise equal (see :func:`_broadcast`).
+    """
+    gathered = []
+    for buffer, buckets, rank in zip(plan.buffers, masters, ranks):
+        over = axes.of(buffer.key)
+        shards = [m.astype(buffer.key.param_dtype) for m in buckets]
+        if param_sync == "broadcast":
+            gathered.append(tuple(_broadcast(s, over, rank, buffer.dp) for s in shards))
+        else:
+            gathered.append(tuple(lax.all_gather(s, over, tiled=True) for s in shards))
+    return gathered
