@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax.demo.example_args import example_parser
 from lwjax.demo.model import GPTConfig, cross_entropy, lwjax_routing, rope
 
 
@@ -89,19 +90,7 @@ class GPT(nn.Module):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--size", default="small", help="tiny, small or base (lwjax.demo.model.MODEL_SIZES)")
-    p.add_argument("--scan", action="store_true", help="stack the blocks with nn.scan")
-    p.add_argument("--separate-qkv", action="store_true", help="three Q/K/V projections instead of one fused")
-    p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
-    p.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all)")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=20)
-    return p.parse_args(argv)
+    return example_parser(__doc__.split("\n")[0], scan_help="stack the blocks with nn.scan").parse_args(argv)
 
 
 def main(argv=None) -> list[float]:
