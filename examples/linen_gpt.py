@@ -19,8 +19,6 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from lwjax.demo.example_args import example_parser
 from lwjax.demo.model import GPTConfig, cross_entropy, lwjax_routing, rope
@@ -118,7 +116,6 @@ def main(argv=None) -> list[float]:
     )
     muon = [r.path for r in optimizer.plan.routes if r.is_muon]
     print(f"{len(muon)} Muon leaves over {mesh.size} devices, e.g. {muon[0]}")
-    params = jax.device_put(params, NamedSharding(mesh, P()))  # where each step returns them
     state = optimizer.init(params)
     train_step = lwjax.make_train_step(loss_fn, optimizer)
 

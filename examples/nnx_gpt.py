@@ -32,10 +32,7 @@ def main(argv=None) -> list[float]:
 
     mesh = local_mesh(args.devices)  # first: asks for virtual CPU devices before JAX starts
 
-    import jax
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import lwjax
     from lwjax.demo.data import load_stdlib_corpus, train_batches
@@ -60,9 +57,6 @@ def main(argv=None) -> list[float]:
         f"{len(optimizer.plan.routes)} leaves, {sum(r.num_params for r in muon)} Muon matrices "
         f"over {mesh.size} {mesh.devices.flat[0].platform} devices; routing {lwjax_routing(config)}"
     )
-    # Replicate the parameters over the mesh, where every step returns them: the second
-    # step then reuses the first one's compilation.
-    params = jax.device_put(params, NamedSharding(mesh, P()))
     state = optimizer.init(params)
     train_step = lwjax.make_train_step(make_loss_fn(graphdef, rest), optimizer)
 
