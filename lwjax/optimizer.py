@@ -47,7 +47,7 @@ from lwjax import muon as muon_lib
 from lwjax import sharded_step as step_lib
 from lwjax.buffers import ParamPlan, check_tree, make_plan, pack, unpack
 from lwjax.policies import DEFAULT_POLICY, LayoutPolicy
-from lwjax.sharded_step import CLIP_EPS, PARAM_SYNCS, MeshAxes  # noqa: F401  (CLIP_EPS re-exported)
+from lwjax.sharded_step import PARAM_SYNCS, MeshAxes
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
