@@ -14,6 +14,7 @@ synchronised. Both contenders run in the same process on the same devices:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -25,6 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax.layout_report import ns_flops
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, default_bucket_size, layerwise_muon
 
@@ -58,6 +60,10 @@ class BenchConfig:
         per dp size, before JAX touches the devices.
       profile_dir: Also trace a few lwjax steps there and summarise kernel
         time per kind and communication/compute overlap (GPU).
+      pgle: Compile lwjax's step with XLA's profile-guided latency estimates
+        (JAX's PGLE: the first :data:`PGLE_RUNS` calls are profiled, then the
+        step is recompiled), so XLA's scheduler knows what the all-gathers and
+        updates really cost.
     """
 
     workload: str = "small"
@@ -73,6 +79,7 @@ class BenchConfig:
     baselines: bool = True
     megatron_script: str | None = None
     profile_dir: str | None = None
+    pgle: bool = False
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -120,6 +127,22 @@ def _time(fn, args, iters, warmup):
         jax.block_until_ready(args)
         times.append(time.perf_counter() - start)
     return statistics.median(times), args
+
+
+PGLE_RUNS = 2
+
+
+@contextlib.contextmanager
+def pgle(enabled: bool = True):
+    """JAX's profile-guided latency estimation for jitted calls made inside (see :attr:`BenchConfig.pgle`)."""
+    saved = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
+    jax.config.update("jax_enable_pgle", enabled)
+    jax.config.update("jax_pgle_profiling_runs", PGLE_RUNS)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_pgle", saved[0])
+        jax.config.update("jax_pgle_profiling_runs", saved[1])
 
 
 def _local_grads(shapes, mesh, dtype):
@@ -170,7 +193,9 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
         ),
         donate_argnums=(0, 1),
     )
-    seconds, (params, state) = _time(lambda p, s: step(p, s, grads), (params, state), cfg.iters, cfg.warmup)
+    with pgle(cfg.pgle):  # the profiled calls are part of the warm-up
+        warmup = max(cfg.warmup, PGLE_RUNS + 1) if cfg.pgle else cfg.warmup
+        seconds, (params, state) = _time(lambda p, s: step(p, s, grads), (params, state), cfg.iters, warmup)
     state_bytes = max(
         sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards if s.device == d)
         for d in mesh.devices.flat
@@ -278,20 +303,6 @@ def _bench_optax(cfg: BenchConfig, shapes, mesh):
     return seconds, state_bytes
 
 
-def ns_flops(shape: tuple[int, int], num_steps: int = 5, qkv_split_shapes=None) -> int:
-    """Newton–Schulz FLOPs of one matrix: per step ``4 s^2 l + 2 s^3`` (``s``, ``l`` = short, long side).
-
-    With a QKV split each block is orthogonalised on its own (rows are the
-    first dimension here, as stored ``[out, in]``).
-    """
-    rows, cols = shape
-    if qkv_split_shapes:
-        groups = rows // sum(qkv_split_shapes)
-        return sum(ns_flops((groups * r, cols), num_steps) for r in qkv_split_shapes)
-    short, long_ = min(rows, cols), max(rows, cols)
-    return num_steps * (4 * short * short * long_ + 2 * short**3)
-
-
 def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     """The no-overlap floor of one step on these devices, measured in JAX.
 
@@ -383,7 +394,7 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
         floor = _floor(cfg, opt, mesh)
         bucket_size = default_bucket_size(dp) if cfg.bucket_size == "auto" else cfg.bucket_size
         records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=bucket_size,
-                            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+                            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, pgle=cfg.pgle,
                             step_ms=seconds * 1e3, state_bytes_per_device=nbytes, **floor,
                             **({"profile": profile} if profile else {})))
         if dp in megatron:

@@ -25,8 +25,11 @@ One step (:func:`update`, inside ``shard_map`` over the data-parallel axes):
    weight-decay multipliers. A non-finite norm keeps the old state;
 5. cast masters to the parameter dtype and ``all_gather`` them (or broadcast
    them, ``param_sync="broadcast"``), bucket by bucket, back into the
-   parameter pytree. Each bucket's gather depends only on its own updates, so
-   XLA may overlap it with later buckets' Newton–Schulz.
+   parameter pytree.
+
+Steps 4 and 5 run bucket by bucket in the order of a
+:class:`~lwjax.schedule.BucketSchedule`, which pairs each bucket's gather with
+a later bucket's update so the gathers hide behind Newton–Schulz.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from lwjax import muon as muon_lib
 from lwjax import sharded_step as step_lib
 from lwjax.buffers import ParamPlan, check_tree, make_plan, pack, unpack
 from lwjax.policies import DEFAULT_POLICY, LayoutPolicy
+from lwjax.schedule import bucket_schedule
 from lwjax.sharded_step import PARAM_SYNCS, MeshAxes
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -255,6 +259,7 @@ def layerwise_muon(
     transpose = config.matrix_convention == "in_out" and (
         muon.scale_mode != "spectral" or any(r.qkv_split_shapes for r in plan.routes)
     )
+    schedule = bucket_schedule(plan, muon.num_ns_steps)
     real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
     groups = (None, *plan.grad_norm_groups)  # norm group 0 is the main norm
     group_of = [groups.index(r.grad_norm_group) for r in plan.routes]
@@ -308,43 +313,23 @@ def layerwise_muon(
             local_init, mesh=mesh, in_specs=(param_specs,), out_specs=state_specs, check_vma=False
         )(params)
 
-    def apply_updates(state: LayerwiseState, grads, ranks, finite):
-        """Phase 4: new masters and optimizer state for this device's shards.
+    def update_bucket(i: int, k: int, master, moments, grad, rank, finite, lr_m, lr_a):
+        """Phase 4 for one bucket: this device's new master shard and optimizer state.
 
-        Where ``finite`` is false every array keeps its old value; the select is
-        fused into each update rather than branched on, so no host round trip
-        stalls the all-gathers. Also returns the sum of squared master changes.
+        ``moments`` is the Muon momentum of a layer-wise bucket, else the
+        elementwise optax state. Where ``finite`` is false everything keeps its
+        old value; the select is fused into the update rather than branched on,
+        so no host round trip stalls the all-gathers. Also returns the sum of
+        squared master changes.
         """
-        lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
-        masters, momenta, states, delta_sq = [], [], [], jnp.zeros([], master_dtype)
-        for buffer, b_masters, b_momenta, b_states, b_grads, rank in zip(
-            plan.buffers, state.masters, state.momenta, state.elementwise, grads, ranks
-        ):
-            if buffer.key.is_layer_wise:
-                new = [
-                    step_lib.muon_shard(buffer, k, master, momentum, grad, rank, finite, lr_m, config.weight_decay,
-                                        muon, transpose)
-                    for k, (master, momentum, grad) in enumerate(zip(b_masters, b_momenta, b_grads))
-                ]
-                masters.append(tuple(p for p, _, _ in new))
-                momenta.append(tuple(m for _, m, _ in new))
-                states.append(None)
-                delta_sq += sum(d for _, _, d in new)
-            else:
-                new_masters, new_states = [], []
-                for k, (master, tx_state, grad) in enumerate(zip(b_masters, b_states, b_grads)):
-                    lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
-                    decay = step_lib.per_element(buffer, k, rank, decay_of)
-                    new_master, new_tx_state = step_lib.elementwise_shard(
-                        tx, master, tx_state, grad, finite, lr_a, lr_mult, decay)
-                    delta_sq += jnp.sum(jnp.square(new_master - master))
-                    new_masters.append(new_master)
-                    new_states.append(new_tx_state)
-                masters.append(tuple(new_masters))
-                momenta.append(None)
-                states.append(tuple(new_states))
-        count = jnp.where(finite, state.count + 1, state.count)
-        return LayerwiseState(count, tuple(masters), tuple(momenta), tuple(states)), delta_sq
+        buffer = plan.buffers[i]
+        if buffer.key.is_layer_wise:
+            return step_lib.muon_shard(buffer, k, master, moments, grad, rank, finite, lr_m, config.weight_decay,
+                                       muon, transpose)
+        lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
+        decay = step_lib.per_element(buffer, k, rank, decay_of)
+        new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)
+        return new_master, new_tx_state, jnp.sum(jnp.square(new_master - master))
 
     def update(grads, state: LayerwiseState, params):
         check_tree(plan, grads, "update(grads)")
@@ -358,15 +343,39 @@ def layerwise_muon(
         norms = jnp.sqrt(sq_sums)
         finite = jnp.all(jnp.isfinite(norms))
         coefs = step_lib.clip_coefficients(norms, config.clip_grad)
-        if config.clip_grad:
-            shards = step_lib.clip(shards, norm_groups, coefs)
-        # 4. Update owned state; a non-finite norm keeps the old state.
-        new_state, delta_sq = apply_updates(state, shards, ranks, finite)
+        # 4-5. Update each bucket and gather it, in the schedule's order. One optimization barrier
+        # per bucket pins that order and makes the gathers due by then land first, so each
+        # gather runs during the later update the schedule chose for it, not after the last.
+        lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
+        masters = [list(b) for b in state.masters]
+        moments = [list(m if b.key.is_layer_wise else e)
+                   for b, m, e in zip(plan.buffers, state.momenta, state.elementwise)]
+        gathered = [[None] * b.num_buckets for b in plan.buffers]
+        delta_sq, previous = jnp.zeros([], master_dtype), ()
+        for t, step in enumerate(schedule.steps):
+            i, k = step.buffer, step.bucket
+            due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.lands_before(t)]
+            (master, moment, grad), _, landed = lax.optimization_barrier(
+                ((masters[i][k], moments[i][k], shards[i][k]), previous, [gathered[a][b] for a, b in due]))
+            for (a, b), x in zip(due, landed):
+                gathered[a][b] = x
+            if config.clip_grad:
+                grad = step_lib.clip_shard(grad, norm_groups[i][k], coefs)
+            masters[i][k], moments[i][k], d = update_bucket(i, k, master, moment, grad, ranks[i], finite, lr_m, lr_a)
+            delta_sq += d
+            buffer = plan.buffers[i]
+            previous = masters[i][k].astype(buffer.key.param_dtype)
+            gathered[i][k] = step_lib.gather_bucket(previous, axes.of(buffer.key), ranks[i], buffer.dp,
+                                                    config.param_sync)
+        new_state = LayerwiseState(
+            jnp.where(finite, state.count + 1, state.count),
+            tuple(tuple(m) for m in masters),
+            tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
+            tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
+        )
         update_rms = jnp.sqrt(lax.psum(delta_sq, axes.data) / real_numel)
-        # 5. Masters in parameter dtype, gathered bucket by bucket into the pytree.
-        gathered = step_lib.gather_params(plan, axes, ranks, new_state.masters, config.param_sync)
         leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
-        new_params = unpack(plan, gathered, dtypes=leaf_dtypes)
+        new_params = unpack(plan, [tuple(g) for g in gathered], dtypes=leaf_dtypes)
         metrics = {
             "grad_norm": norms[0],
             "clip_coef": coefs[0],

@@ -35,6 +35,7 @@ from lwjax.layout import BufferKey
 
 CLIP_EPS = 1e-6
 PARAM_SYNCS = ("all_gather", "broadcast")
+MAX_SELECT_RUNS = 16  # per_element: at most this many runs per shard become selects, more a repeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,15 @@ def per_element(buffer: BufferPlan, bucket: int, rank, value_of: Sequence, dtype
     # Behind an optimization barrier: a constant vector would be constant-folded by XLA
     # at compile time, which is slow for large shards.
     row, length = lax.optimization_barrier((rank_table(rows, dtype)[rank], rank_table(lengths)[rank]))
-    return jnp.repeat(row, length, total_repeat_length=size)
+    if width > MAX_SELECT_RUNS:
+        return jnp.repeat(row, length, total_repeat_length=size)
+    # A few runs: a chain of selects on the element index, which XLA fuses into the
+    # consumer, so the vector is never written to memory.
+    index, starts = lax.iota(jnp.int32, size), jnp.cumsum(length)
+    values = jnp.broadcast_to(row[0], (size,))
+    for w in range(1, width):
+        values = jnp.where(index >= starts[w - 1], row[w], values)
+    return values
 
 
 def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype) -> list[tuple[jax.Array, ...]]:
@@ -186,9 +195,9 @@ def clip_coefficients(norms: jax.Array, clip_grad: float | None) -> jax.Array:
     return jnp.minimum(1.0, clip_grad / (norms + CLIP_EPS)).astype(norms.dtype)
 
 
-def clip(shards, groups, coefs: jax.Array):
-    """Scale every gradient shard element by its norm group's clip coefficient (``groups``: :func:`norm_groups`)."""
-    return [tuple(x * coefs[g] for x, g in zip(buckets, bucket_groups)) for buckets, bucket_groups in zip(shards, groups)]
+def clip_shard(shard: jax.Array, group, coefs: jax.Array) -> jax.Array:
+    """Scale a gradient shard by its elements' norm-group clip coefficients (``group``: from :func:`norm_groups`)."""
+    return shard * coefs[group]
 
 
 def muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight_decay, muon_config, transpose):
@@ -266,18 +275,12 @@ def _broadcast(shard: jax.Array, axes, rank, num_shards: int) -> jax.Array:
     return lax.bitcast_convert_type(lax.psum(bucket, axes).astype(bits.dtype), shard.dtype)
 
 
-def gather_params(plan: ParamPlan, axes: MeshAxes, ranks, masters, param_sync: str = "all_gather"):
-    """Phase 5: masters in parameter dtype, gathered bucket by bucket into whole buckets on every device.
+def gather_bucket(shard: jax.Array, axes, rank, num_shards: int, param_sync: str = "all_gather") -> jax.Array:
+    """Phase 5 for one bucket: every device's updated shard (in parameter dtype) on every device.
 
-    ``param_sync="all_gather"``: one tiled ``all_gather`` per bucket.
-    ``"broadcast"``: the reference path, bitwise equal (see :func:`_broadcast`).
+    ``param_sync="all_gather"``: one tiled ``all_gather``; ``"broadcast"``:
+    the reference path, bitwise equal (see :func:`_broadcast`).
     """
-    gathered = []
-    for buffer, buckets, rank in zip(plan.buffers, masters, ranks):
-        over = axes.of(buffer.key)
-        shards = [m.astype(buffer.key.param_dtype) for m in buckets]
-        if param_sync == "broadcast":
-            gathered.append(tuple(_broadcast(s, over, rank, buffer.dp) for s in shards))
-        else:
-            gathered.append(tuple(lax.all_gather(s, over, tiled=True) for s in shards))
-    return gathered
+    if param_sync == "broadcast":
+        return _broadcast(shard, axes, rank, num_shards)
+    return lax.all_gather(shard, axes, tiled=True)

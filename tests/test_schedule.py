@@ -1,0 +1,50 @@
+"""The bucket schedule: every bucket once, each gather hidden by one later update."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lwjax.bench import workload_shapes
+from lwjax.buffers import make_plan
+from lwjax.schedule import BUS_BYTES_PER_S, bucket_schedule
+
+
+def _plan(workload, dp):
+    shapes, split = workload_shapes(workload)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), shapes,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    return make_plan(params, dp, bucket_size=40_000_000 if workload != "small" else 200_000,
+                     stacked={"layers/*": 1}, qkv_split=split, grad_reduce_in_fp32=True)
+
+
+@pytest.mark.parametrize("workload,dp", [("8b", 4), ("1b", 4), ("small", 8), ("small", 1)])
+def test_schedule_covers_every_bucket_and_pairs_gathers_with_later_updates(workload, dp):
+    plan = _plan(workload, dp)
+    schedule = bucket_schedule(plan)
+    positions = [(s.buffer, s.bucket) for s in schedule.steps]
+    assert sorted(positions) == [(i, k) for i, b in enumerate(plan.buffers) for k in range(b.num_buckets)]
+    during = [s.gathered_during for s in schedule.steps if s.gathered_during is not None]
+    assert len(during) == len(set(during))  # one gather per update: XLA runs one collective at a time
+    for j, step in enumerate(schedule.steps):
+        assert step.gathered_during is None or step.gathered_during > j
+        assert all(schedule.steps[g].gathered_during + 1 == j for g in schedule.lands_before(j))
+    if dp == 1:
+        assert not during and schedule.exposed_gather_s == 0
+
+
+def test_schedule_hides_the_large_gathers_of_the_8b_workload():
+    plan = _plan("8b", 4)
+    schedule = bucket_schedule(plan)
+    kinds = [plan.buffers[s.buffer].key.is_layer_wise for s in schedule.steps]
+    assert kinds[:2] == [False, True]  # the embedding's update first, then the most Newton–Schulz
+    layer_wise = [s.update_s for s, lw in zip(schedule.steps, kinds) if lw]
+    assert layer_wise == sorted(layer_wise, reverse=True)
+    total = sum(s.gather_s for s in schedule.steps)
+    # Unhidden: only the last small buckets' gathers, a small part of all gather time.
+    assert schedule.exposed_gather_s < 0.15 * total
+    embedding = max(schedule.steps, key=lambda s: s.gather_s)
+    assert embedding.gathered_during is not None
+    assert schedule.steps[embedding.gathered_during].update_s >= embedding.gather_s
+    shard = plan.buffers[embedding.buffer].shard_sizes[embedding.bucket]
+    assert shard >= 128256 * 4096 // 4  # a quarter of the embedding (or output layer) at least
+    assert embedding.gather_s == pytest.approx(shard * 3 * 2 / BUS_BYTES_PER_S)  # 3 other ranks' bf16 shards
