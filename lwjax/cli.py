@@ -432,23 +432,28 @@ def _add_layout_parser(subparsers) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """Time the optimizer step of lwjax and its baselines; print a table, optionally JSON."""
-    from lwjax.bench import BenchConfig, run_bench
+    """Time the optimizer step (or, with --train-step, a full training step) of lwjax and its baselines."""
     from lwjax.demo.devices import request_cpu_devices
 
+    if args.train_step:
+        if args.megatron or args.profile or args.pgle:
+            raise ValueError("--megatron, --profile and --pgle apply to the optimizer step only; drop them with "
+                             "--train-step.")
+    elif (args.seq_len, args.micro_batch, args.remat) != (None, None, False):
+        raise ValueError("--seq-len, --micro-batch and --remat apply to --train-step only.")
     request_cpu_devices(max(args.dp))
+    if args.train_step:
+        return _bench_train_step(args)
+    from lwjax.bench import BenchConfig, run_bench
+
     config = BenchConfig(
         workload=args.workload, layers=args.layers, dp_sizes=tuple(args.dp), iters=args.iters,
         warmup=args.warmup, param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         ns_precision=args.ns_precision, policy=args.policy, bucket_size=args.bucket_size,
-        baselines=args.baselines, megatron_script=args.megatron, profile_dir=args.profile,
+        baselines=args.baselines, megatron_script=args.megatron, profile_dir=args.profile, pgle=args.pgle,
     )
     records = run_bench(config)
-    if args.out:
-        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-        (pathlib.Path(args.out) / "bench.json").write_text(json.dumps(records, indent=1) + "\n")
-    if args.json:
-        _print_json(records)
+    if _emit_records(args, records):
         return 0
     first = records[0]
     table = _table(
@@ -465,6 +470,55 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             table.add_row(f"  floor: RS {r['rs_ms']:.2f} + AG {r['ag_ms']:.2f} + NS {r['ns_ms']:.2f} ms", str(r["dp"]),
                           f"{r['floor_sum_ms']:.2f}", f"{r['floor_sum_ms'] / r['step_ms']:.2f}x", "", style="dim")
     _console().print(table)
+    return 0
+
+
+def _emit_records(args: argparse.Namespace, records: list[dict]) -> bool:
+    """Write ``bench.json`` into ``--out`` if given; print the records as JSON with ``--json`` (then True)."""
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(args.out) / "bench.json").write_text(json.dumps(records, indent=1) + "\n")
+    if args.json:
+        _print_json(records)
+    return args.json
+
+
+def _bench_train_step(args: argparse.Namespace) -> int:
+    """``bench --train-step``: full training steps, lwjax Muon against AdamW; a table, optionally JSON."""
+    from lwjax.train_bench import MUON, TrainBenchConfig, run_train_bench
+
+    config = TrainBenchConfig(
+        workload=args.workload, layers=args.layers, dp_sizes=tuple(args.dp), seq_len=args.seq_len,
+        micro_batch=args.micro_batch, remat=args.remat, iters=args.iters, warmup=args.warmup,
+        param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32, ns_precision=args.ns_precision,
+        policy=args.policy, bucket_size=args.bucket_size, baselines=args.baselines,
+    )
+    records = run_train_bench(config)
+    if _emit_records(args, records):
+        return 0
+    first = records[0]
+    table = _table(
+        f"Training step, {first['workload']} workload ({first['layers']} layers, {_count(first['params'])} params), "
+        f"{first['micro_batch']} × {first['seq_len']} tokens per device, remat {'on' if first['remat'] else 'off'}, "
+        f"{first['param_dtype']}, on {first['device']}, jax {first['jax']}",
+        ["contender", "dp", "step ms", "optimizer ms", "tokens/s", "MFU", "Muon overhead", "memory / device"],
+    )
+    overhead = {(r["dp"], name): pct for r in records if r["contender"] == MUON
+                for name, pct in r["muon_overhead_pct"].items()}
+    for r in records:
+        nbytes = r["compiled_bytes_per_device"]
+        pct = overhead.get((r["dp"], r["contender"]))
+        table.add_row(
+            r["contender"], str(r["dp"]), f"{r['step_ms']:.2f}",
+            f"{r['optimizer_ms']:.2f}" if "optimizer_ms" in r else "—", f"{r['tokens_per_s']:,.0f}",
+            "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", "—" if pct is None else f"{pct:+.1f}%",
+            "—" if nbytes is None else f"{nbytes / 1e9:.2f} GB",
+        )
+    _console().print(table)
+    _console().print(
+        "[dim]optimizer ms: step ms minus forward+backward's; Muon overhead: lwjax Muon's step time over this row's, "
+        "minus 1; memory: XLA's estimate for the compiled step (arguments + outputs - donated + temporaries).[/]"
+    )
     return 0
 
 
@@ -486,7 +540,14 @@ def _dp_list(text: str) -> list[int]:
 
 
 def _add_bench_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="time the optimizer step against replicated optax Muon")
+    p = subparsers.add_parser(
+        "bench", help="time the optimizer step against replicated optax Muon (--train-step: a full training step)",
+        description=(
+            "Time lwjax's optimizer step against replicated optax Muon on Megatron-shaped workloads. With "
+            "--train-step, time a full training step (forward, backward, optimizer) of the workload's Llama with "
+            "lwjax Muon, lwjax AdamW (ZeRO-1) and replicated optax AdamW, and report Muon's overhead."
+        ),
+    )
     p.add_argument("--workload", choices=("small", "1b", "8b"), default="small")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--dp", type=_dp_list, default=[1, 2, 4, 8], help="data-parallel sizes, e.g. 1,2,4,8")
@@ -503,6 +564,16 @@ def _add_bench_parser(subparsers) -> None:
     p.add_argument("--megatron", default=None, metavar="megatron_bench.py",
                    help="also time Megatron-Core with this script (GPU host with megatron-core installed)")
     p.add_argument("--profile", default=None, metavar="DIR", help="trace lwjax steps into DIR and summarise kernels")
+    p.add_argument("--pgle", action="store_true",
+                   help="compile lwjax's step with profile-guided latency estimates (JAX's PGLE)")
+    p.add_argument("--train-step", action="store_true",
+                   help="time a full training step with lwjax Muon, lwjax AdamW and optax AdamW instead")
+    p.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None,
+                   help="with --train-step: tokens per sequence (default 2048; small workload 128)")
+    p.add_argument("--micro-batch", "--micro-batch-size", dest="micro_batch", type=int, default=None,
+                   help="with --train-step: sequences per device per step (default 4 for 1b, 2 for 8b and small)")
+    p.add_argument("--remat", action="store_true",
+                   help="with --train-step: recompute each layer's activations in the backward pass")
     p.add_argument("--json", action="store_true", help="print the records as JSON")
     p.add_argument("--out", default=None, help="also write bench.json into this directory")
     p.set_defaults(command=_cmd_bench, command_name="bench")

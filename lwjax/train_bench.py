@@ -1,0 +1,520 @@
+"""Benchmark of a full training step: lwjax Muon against AdamW on the same Llama.
+
+:mod:`lwjax.bench` times the optimizer alone. This module times what a user pays
+per step: forward, backward and optimizer of a Megatron-shaped Llama, data
+parallel over a 1-D mesh axis ``dp``, and reports Muon's overhead over AdamW.
+
+Model (:func:`loss_fn`). A Llama forward in plain ``jax.numpy`` over exactly
+the parameter tree of :func:`lwjax.bench.workload_shapes`: weights stored
+``[out, in]`` as Megatron stores them, the layers stacked ``[L, ...]`` and run
+by ``lax.scan`` (optionally rematerialised per layer). The fused
+``linear_qkv`` rows are Megatron's, per key/value group: for each of the
+:math:`K` groups, :math:`H/K` query heads, one key head, one value head;
+``linear_fc1`` is ``[gate; up]``. RMSNorm, rotary embeddings, causal
+grouped-query attention (``jax.nn.dot_product_attention``; on GPU with bf16 or
+fp16 we ask for cuDNN's fused flash attention, since its default, ``None``, is
+XLA's attention, which materialises the ``[B, H, T, T]`` scores), SwiGLU,
+parameters and activations in ``param_dtype``, fp32 logits for the mean
+next-token cross-entropy.
+
+Data. One fixed batch of uniformly random tokens (``micro_batch`` sequences of
+``seq_len + 1`` tokens per device) is reused every step: synthetic, since the
+step time does not depend on the token values.
+
+Contenders, each one jitted ``shard_map`` step over the same devices and batch,
+parameters and optimizer state donated:
+
+* ``lwjax Muon``: local loss and gradients, then ``layerwise_muon``'s update
+  (reduce-scatter, clip, Muon on owned matrices and Adam on owned elements,
+  all-gather), built as :mod:`lwjax.bench` builds it;
+* ``lwjax AdamW (ZeRO-1)``: the same sharded optimizer with every parameter
+  routed to Adam, i.e. the same communication without Newton–Schulz;
+* ``optax AdamW (replicated)``: ``pmean`` of the gradients (all-reduce) and
+  ``optax.adamw`` on fp32 parameters replicated on every device (the JAX status
+  quo);
+* ``forward+backward``: loss and gradients only, no communication and no
+  optimizer; each contender's ``optimizer_ms`` is its step time minus this one.
+
+Each is timed as the median of ``iters`` steps after ``warmup`` steps,
+synchronised with ``jax.block_until_ready``. Memory is XLA's buffer
+assignment for the compiled step; on GPU it matched the allocator's
+measured peak (``peak_bytes_so_far``) for every contender.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwjax.bench import WORKLOADS, _time, workload_shapes
+from lwjax.demo.devices import bytes_per_device
+from lwjax.muon import MuonConfig
+from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
+from lwjax.policies import DEFAULT_POLICY
+
+MUON = "lwjax Muon"
+ADAMW_SHARDED = "lwjax AdamW (ZeRO-1)"
+ADAMW_REPLICATED = "optax AdamW (replicated)"
+FORWARD_BACKWARD = "forward+backward"
+CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)
+
+# (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the small one CPU-sized.
+TRAIN_DEFAULTS = {"small": (128, 2), "1b": (2048, 4), "8b": (2048, 2)}
+# Dense bf16 peak of one device in FLOP/s, by a substring of ``device_kind`` (vendor datasheets, SXM parts).
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+INIT_STD = 0.02  # Megatron's --init-method-std
+ATTENTIONS = ("auto", "cudnn", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and numerics of the Llama in :func:`loss_fn`.
+
+    Attributes:
+      hidden: Hidden size :math:`h`.
+      heads: Query heads :math:`H`.
+      groups: Key/value heads (query groups) :math:`K`; divides ``heads``.
+      ffn: SwiGLU width :math:`f`.
+      vocab: Vocabulary size :math:`V`.
+      layers: Transformer layers :math:`L`.
+      dtype: Compute dtype; parameters are cast to it at the start of the forward.
+      remat: Recompute each layer in the backward pass (``jax.checkpoint`` per
+        layer): only the layer inputs are kept between forward and backward.
+      attention: ``jax.nn.dot_product_attention`` implementation: ``"cudnn"``,
+        ``"xla"``, or ``"auto"``: cuDNN on GPU for bf16/fp16, else XLA.
+      rope_base: Rotary base :math:`\\theta` (Megatron's ``--rotary-base``).
+      norm_eps: RMSNorm :math:`\\epsilon` (Megatron's ``--norm-epsilon``).
+    """
+
+    hidden: int
+    heads: int
+    groups: int
+    ffn: int
+    vocab: int
+    layers: int
+    dtype: str = "bfloat16"
+    remat: bool = False
+    attention: str = "auto"
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.heads % self.groups or self.hidden % self.heads:
+            raise ValueError(
+                f"ModelConfig: heads must divide by groups and hidden by heads; got {self.hidden=}, {self.heads=}, "
+                f"{self.groups=}."
+            )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}; got {self.attention!r}.")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width :math:`d = h / H`."""
+        return self.hidden // self.heads
+
+    def attention_implementation(self) -> str:
+        """``"cudnn"`` or ``"xla"``: ``attention``, with ``"auto"`` resolved for the default backend."""
+        if self.attention != "auto":
+            return self.attention
+        fused = jax.default_backend() == "gpu" and self.dtype in ("bfloat16", "float16")
+        return "cudnn" if fused else "xla"
+
+    @classmethod
+    def of_workload(cls, name: str, layers: int | None = None, **options) -> ModelConfig:
+        """The model of a :data:`lwjax.bench.WORKLOADS` entry (``layers``: override its depth)."""
+        w = dict(WORKLOADS[name])
+        w["layers"] = layers or w["layers"]
+        return cls(**w, **options)
+
+
+def init_params(shapes, key: jax.Array, dtype="float32"):
+    """Random parameters of the tree :func:`lwjax.bench.workload_shapes` gives, Megatron's init.
+
+    Norm weights are ones; ``linear_proj`` and ``linear_fc2`` (the layer outputs)
+    are :math:`\\mathcal{N}(0, \\sigma^2 / (2L))`; every other matrix is
+    :math:`\\mathcal{N}(0, \\sigma^2)`, :math:`\\sigma` = ``INIT_STD``.
+    """
+    layers = shapes["layers"]["linear_qkv"][0]
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    @jax.jit  # one program for all leaves: fast on CPU, and no fp32 copy of every leaf at once on GPU
+    def make(key):
+        leaves = []
+        for k, (path, shape) in zip(jax.random.split(key, len(paths)), paths):
+            name = jax.tree_util.keystr(path)
+            if "layernorm" in name:
+                leaves.append(jnp.ones(shape, dtype))
+            else:
+                std = INIT_STD / math.sqrt(2 * layers) if ("linear_proj" in name or "linear_fc2" in name) else INIT_STD
+                leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return make(key)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """:math:`y = x / \\sqrt{\\overline{x^2} + \\epsilon} \\odot w`, computed in fp32, returned in ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """``cos``, ``sin`` of the rotary angles :math:`t\\, \\theta^{-2i/d}`, each ``[T, d]`` (halves repeated)."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2) / head_dim)
+    angles = np.arange(seq_len)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [B, T, N, d]`` by position (Megatron's non-interleaved rotate-half).
+
+    .. math:: x' = x \\cos + (-x_2, x_1) \\sin, \\qquad x = (x_1, x_2)
+    """
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def _attention(x, p, config: ModelConfig, cos, sin):
+    """Causal grouped-query self-attention over Megatron's fused, per-group QKV rows."""
+    batch, seq, _ = x.shape
+    per_group, d = config.heads // config.groups, config.head_dim
+    qkv = jnp.einsum("bth,oh->bto", x, p["linear_qkv"]).reshape(batch, seq, config.groups, per_group + 2, d)
+    q = qkv[:, :, :, :per_group].reshape(batch, seq, config.heads, d)  # query head g * per_group + j uses kv head g
+    k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+    out = jax.nn.dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True,
+                                       implementation=config.attention_implementation())
+    return jnp.einsum("btf,hf->bth", out.reshape(batch, seq, config.heads * d), p["linear_proj"])
+
+
+def _layer(x, p, config: ModelConfig, cos, sin):
+    """One pre-norm block: :math:`x \\mathrel{+}= \\text{attn}(\\text{norm}(x))`, then the same with SwiGLU."""
+    x = x + _attention(rms_norm(x, p["input_layernorm"], config.norm_eps), p, config, cos, sin)
+    y = rms_norm(x, p["pre_mlp_layernorm"], config.norm_eps)
+    gate, up = jnp.split(jnp.einsum("bth,oh->bto", y, p["linear_fc1"]), 2, axis=-1)
+    return x + jnp.einsum("btf,hf->bth", jax.nn.silu(gate) * up, p["linear_fc2"])
+
+
+def loss_fn(params, batch: jax.Array, config: ModelConfig) -> jax.Array:
+    """Mean next-token cross-entropy of the Llama on ``batch [B, T + 1]`` (int token ids).
+
+    .. math:: \\ell = \\frac{1}{BT} \\sum_{b, t} \\Big(\\log \\sum_v e^{z_{btv}} - z_{b,t,x_{b,t+1}}\\Big)
+
+    with fp32 logits :math:`z`. Parameters are cast to ``config.dtype`` first
+    (a no-op for parameters already in it).
+    """
+    dtype = jnp.dtype(config.dtype)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    cos, sin = rope_tables(tokens.shape[1], config.head_dim, config.rope_base)
+    x = params["embedding"][tokens]
+
+    def body(x, p):
+        return _layer(x, p, config, cos, sin), None
+
+    if config.remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    x, _ = lax.scan(body, x, params["layers"])
+    x = rms_norm(x, params["final_layernorm"], config.norm_eps)
+    logits = jnp.einsum("bth,vh->btv", x, params["output_layer"], preferred_element_type=jnp.float32)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits)
+
+
+def model_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token: :math:`6N + 6 L T H d`.
+
+    :math:`N` counts the parameters of every matrix product (the layers' four
+    matrices and the output layer; not the embedding lookup or the norms), at
+    2 FLOPs per multiply-add and 3 products (forward, two backward) each. The
+    second term is causal attention: :math:`QK^\\top` and :math:`AV` cost
+    :math:`2 \\cdot 2 T H d` per token and layer without the mask, half with
+    it, times 3. Recomputation (remat) is not counted (model FLOPs, not hardware FLOPs).
+    """
+    h, d, f = config.hidden, config.head_dim, config.ffn
+    per_layer = (config.heads + 2 * config.groups) * d * h + h * config.heads * d + 2 * f * h + h * f
+    matmul_params = config.layers * per_layer + config.vocab * h
+    return 6 * matmul_params + 6 * config.layers * seq_len * config.heads * d
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBenchConfig:
+    """What :func:`run_train_bench` measures.
+
+    Attributes:
+      workload: A key of :data:`lwjax.bench.WORKLOADS`.
+      layers: Transformer layers (``None``: the workload's default).
+      dp_sizes: Data-parallel sizes to run (each ≤ the device count).
+      seq_len: Tokens per sequence (``None``: :data:`TRAIN_DEFAULTS`).
+      micro_batch: Sequences per device per step (``None``: :data:`TRAIN_DEFAULTS`);
+        the global batch is ``micro_batch * dp``.
+      remat: Recompute each layer's activations in the backward pass.
+      iters: Timed steps per measurement (median reported).
+      warmup: Untimed steps first.
+      param_dtype: Parameter and activation dtype (the replicated optax
+        contender keeps fp32 parameters and casts them in the forward).
+      grad_reduce_in_fp32: lwjax reduces gradients in fp32, else in ``param_dtype``.
+      ns_precision: Newton–Schulz precision (``"medium"`` = bf16, Megatron's default).
+      policy: lwjax layout policy.
+      bucket_size: lwjax bucket size in elements, ``None`` or ``"auto"``.
+      learning_rate: Learning rate of every contender (Muon and Adam alike, as in :mod:`lwjax.bench`).
+      weight_decay: Decoupled weight decay on matrices (not on norms).
+      clip_grad: Global gradient-norm clip of every contender; ``None`` or ``0`` disables.
+      baselines: Also time the replicated optax AdamW.
+      peak_flops: Peak FLOP/s of one device for MFU; ``None``: by device kind
+        (:data:`PEAK_BF16_FLOPS`), and no MFU for unknown kinds (CPU).
+      seed: Seed of the initial parameters and tokens.
+    """
+
+    workload: str = "small"
+    layers: int | None = None
+    dp_sizes: tuple[int, ...] = (1,)
+    seq_len: int | None = None
+    micro_batch: int | None = None
+    remat: bool = False
+    iters: int = 10
+    warmup: int = 2
+    param_dtype: str = "bfloat16"
+    grad_reduce_in_fp32: bool = True
+    ns_precision: str = "medium"
+    policy: str = DEFAULT_POLICY
+    bucket_size: int | str | None = "auto"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    clip_grad: float | None = 1.0
+    baselines: bool = True
+    peak_flops: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"TrainBenchConfig.workload must be one of {tuple(WORKLOADS)}; got {self.workload!r}.")
+        if not self.dp_sizes or min(self.dp_sizes) < 1:
+            raise ValueError(f"TrainBenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}.")
+        seq_len, micro_batch = TRAIN_DEFAULTS[self.workload]
+        object.__setattr__(self, "seq_len", self.seq_len if self.seq_len is not None else seq_len)
+        object.__setattr__(self, "micro_batch", self.micro_batch if self.micro_batch is not None else micro_batch)
+        for name, least in (("seq_len", 1), ("micro_batch", 1), ("iters", 1), ("warmup", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"TrainBenchConfig.{name} must be >= {least}; got {getattr(self, name)!r}.")
+
+    def model(self) -> ModelConfig:
+        """The benchmarked model."""
+        return ModelConfig.of_workload(self.workload, self.layers, dtype=self.param_dtype, remat=self.remat)
+
+
+def lwjax_optimizer(params, mesh: Mesh, qkv_split, cfg: TrainBenchConfig, *, muon: bool = True) -> LayerwiseOptimizer:
+    """The optimizer of ``lwjax Muon`` (``muon=True``) or ``lwjax AdamW (ZeRO-1)``.
+
+    Built as :mod:`lwjax.bench` builds it: layers stacked, Megatron's ``[out, in]``
+    convention, QKV split for Muon. With ``muon=False`` every leaf is routed
+    to the elementwise Adam (``is_muon`` always false), so the step keeps
+    lwjax's reduce-scatter, clip and all-gather and drops Newton–Schulz.
+    """
+    routing = {"qkv_split": qkv_split} if muon else {"is_muon": lambda name, shape: False}
+    return layerwise_muon(
+        params,
+        mesh,
+        learning_rate=cfg.learning_rate,
+        muon=MuonConfig(fp32_matmul_prec=cfg.ns_precision),
+        config=OptimizerConfig(weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                               grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, matrix_convention="out_in"),
+        policy=cfg.policy,
+        bucket_size=cfg.bucket_size,
+        stacked={"layers/*": 1},
+        **routing,
+    )
+
+
+def lwjax_step(loss, optimizer: LayerwiseOptimizer):
+    """``step(params, state, batch) -> (params, state, loss)``: local gradients straight into ``optimizer.update``.
+
+    ``update`` takes each device's gradient of its local mean loss and takes the
+    mean over dp itself (inside its reduce-scatter). ``params`` and ``state``
+    are donated; ``batch`` is split over dp on its leading axis.
+    """
+    axis = optimizer.axis
+
+    def local(params, state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        params, state, _ = optimizer.update(grads, state, params)
+        return params, state, lax.pmean(value, axis)
+
+    return jax.jit(
+        jax.shard_map(local, mesh=optimizer.mesh, in_specs=(P(), optimizer.state_specs, P(axis)),
+                      out_specs=(P(), optimizer.state_specs, P()), check_vma=False),
+        donate_argnums=(0, 1),
+    )
+
+
+def _is_matrix(path, x) -> bool:
+    """A leaf whose (per-layer) parameters have 2+ dims: decayed, as lwjax decays them."""
+    stacked = 1 if jax.tree_util.keystr(path).startswith("['layers']") else 0
+    return x.ndim - stacked >= 2
+
+
+def optax_adamw(cfg: TrainBenchConfig) -> optax.GradientTransformation:
+    """AdamW as lwjax applies it to elementwise parameters (lwjax clips by :math:`c / (\\lVert g \\rVert + 10^{-6})`).
+
+    .. math::
+
+       g \\leftarrow g \\min\\!\\big(1, c / \\lVert g \\rVert\\big), \\qquad
+       p \\leftarrow p - \\eta\\Big(\\frac{\\hat m}{\\sqrt{\\hat v} + \\epsilon}
+                        + \\lambda \\mathbb{1}_{\\text{matrix}}\\, p\\Big)
+
+    with :math:`c` = ``clip_grad`` (skipped when ``None``/0), :math:`\\eta` =
+    ``learning_rate``, :math:`\\lambda` = ``weight_decay``, Adam's
+    :math:`(\\beta_1, \\beta_2, \\epsilon) = (0.9, 0.999, 10^{-8})`, and the
+    decay only on matrices (a stacked ``[L, h]`` norm is ``L`` vectors).
+    """
+    mask = lambda params: jax.tree_util.tree_map_with_path(_is_matrix, params)  # noqa: E731
+    adamw = optax.adamw(cfg.learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_grad), adamw) if cfg.clip_grad else adamw
+
+
+def optax_step(loss, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str = "dp"):
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)``: all-reduce, then ``tx`` on every device.
+
+    Parameters and optimizer state are replicated (``P()``) and donated.
+    """
+
+    def local(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        grads = lax.pmean(grads, axis)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(value, axis)
+
+    return jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P(), P()), check_vma=False),
+        donate_argnums=(0, 1),
+    )
+
+
+def forward_backward_step(loss, mesh: Mesh, *, axis: str = "dp"):
+    """``step(params, batch) -> (loss, sum of squared gradients)``: the compute floor, no optimizer."""
+
+    def local(params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        square = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        return lax.pmean(value, axis), lax.psum(square, axis)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P()), check_vma=False))
+
+
+def synthetic_batch(mesh: Mesh, micro_batch: int, seq_len: int, vocab: int, seed: int = 0, *, axis: str = "dp"):
+    """Uniformly random tokens ``[dp * micro_batch, seq_len + 1]`` (int32), split over ``axis``."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (mesh.shape[axis] * micro_batch, seq_len + 1), dtype=np.int32)
+    return jax.device_put(tokens, NamedSharding(mesh, P(axis)))
+
+
+def _replicated(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def _compiled_bytes(compiled) -> int | None:
+    """Device memory one device needs for a compiled step: arguments + outputs − donated + temporaries."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+               + stats.temp_size_in_bytes)
+
+
+def _peak_flops(cfg: TrainBenchConfig, device) -> float | None:
+    if cfg.peak_flops:
+        return cfg.peak_flops
+    return next((peak for kind, peak in PEAK_BF16_FLOPS if kind in device.device_kind), None)
+
+
+def _run_contender(name: str, cfg: TrainBenchConfig, model: ModelConfig, shapes, split, mesh, batch) -> dict:
+    """Build, compile and time one contender at one dp size; the params and state are freed on return."""
+    key = jax.random.key(cfg.seed)
+    loss = lambda p, b: loss_fn(p, b, model)  # noqa: E731
+    if name in (MUON, ADAMW_SHARDED):
+        params = _replicated(init_params(shapes, key, cfg.param_dtype), mesh)
+        optimizer = lwjax_optimizer(params, mesh, split, cfg, muon=name == MUON)
+        step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
+    elif name == ADAMW_REPLICATED:
+        params = _replicated(init_params(shapes, key, "float32"), mesh)
+        tx = optax_adamw(cfg)
+        step, args = optax_step(loss, tx, mesh), (params, _replicated(tx.init(params), mesh))
+    else:
+        step, args = forward_backward_step(loss, mesh), (_replicated(init_params(shapes, key, cfg.param_dtype), mesh),)
+    compiled = step.lower(*args, batch).compile()
+    record = dict(compiled_bytes_per_device=_compiled_bytes(compiled),
+                  attention="cudnn" if "cudnn$fmha" in compiled.as_text() else "xla")
+    if name == FORWARD_BACKWARD:
+        seconds, (params, _) = _time(lambda p, out: (p, compiled(p, batch)), (*args, None), cfg.iters, cfg.warmup)
+        record["state_bytes_per_device"] = bytes_per_device(params)
+    else:
+        seconds, args = _time(lambda p, s: compiled(p, s, batch)[:2], args, cfg.iters, cfg.warmup)
+        record["state_bytes_per_device"] = bytes_per_device(args)
+        record["loss"] = float(compiled(*args, batch)[2])
+    record["step_ms"] = seconds * 1e3
+    stats = mesh.devices.flat[0].memory_stats()  # None on CPU
+    record["peak_bytes_so_far"] = stats.get("peak_bytes_in_use") if stats else None
+    return record
+
+
+def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
+    """Time a full training step with lwjax Muon, lwjax AdamW, optax AdamW and forward+backward alone.
+
+    Returns:
+      One record per (contender, dp): ``step_ms`` (median), ``tokens_per_s``
+      (global), ``mfu`` (model FLOPs utilisation over all dp devices, see
+      :func:`model_flops_per_token`; ``None`` without a known peak),
+      ``optimizer_ms`` (``step_ms`` minus forward+backward's),
+      ``compiled_bytes_per_device`` (XLA's estimate for the step),
+      ``peak_bytes_so_far`` (device 0's peak memory since the process
+      started, a running maximum over the records; ``None`` on CPU),
+      ``state_bytes_per_device`` (parameters plus optimizer state on one
+      device), ``loss`` of one more step after the timed ones,
+      ``attention`` (``"cudnn"`` where the compiled step calls cuDNN's fused
+      attention, else ``"xla"``), and the settings. The Muon
+      record adds ``muon_overhead_pct``: per other contender,
+      :math:`100\\,(t_\\text{Muon} / t - 1)`.
+    """
+    shapes, split = workload_shapes(cfg.workload, cfg.layers)
+    model = cfg.model()
+    devices = jax.devices()
+    numel = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    flops_per_token = model_flops_per_token(model, cfg.seq_len)
+    peak = _peak_flops(cfg, devices[0])
+    names = [MUON, ADAMW_SHARDED, *([ADAMW_REPLICATED] if cfg.baselines else []), FORWARD_BACKWARD]
+    records = []
+    for dp in cfg.dp_sizes:
+        if dp > len(devices):
+            raise ValueError(f"TrainBenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices.")
+        mesh = Mesh(np.array(devices[:dp]), ("dp",))
+        batch = synthetic_batch(mesh, cfg.micro_batch, cfg.seq_len, model.vocab, cfg.seed)
+        tokens = dp * cfg.micro_batch * cfg.seq_len
+        base = dict(workload=cfg.workload, layers=model.layers, params=numel, dp=dp, seq_len=cfg.seq_len,
+                    micro_batch=cfg.micro_batch, global_batch=dp * cfg.micro_batch, tokens_per_step=tokens,
+                    remat=cfg.remat, param_dtype=cfg.param_dtype, model_flops_per_token=flops_per_token,
+                    device=devices[0].device_kind, jax=jax.__version__)
+        rows = {}
+        for name in names:
+            r = _run_contender(name, cfg, model, shapes, split, mesh, batch)
+            seconds = r["step_ms"] / 1e3
+            r["tokens_per_s"] = tokens / seconds
+            r["mfu"] = tokens * flops_per_token / (seconds * dp * peak) if peak else None
+            rows[name] = dict(base, contender=name, **r)
+        floor_ms = rows[FORWARD_BACKWARD]["step_ms"]
+        for name in names[:-1]:
+            rows[name]["optimizer_ms"] = rows[name]["step_ms"] - floor_ms
+        muon_ms = rows[MUON]["step_ms"]
+        rows[MUON]["muon_overhead_pct"] = {n: 100 * (muon_ms / rows[n]["step_ms"] - 1) for n in names[1:-1]}
+        records += rows.values()
+    return records
