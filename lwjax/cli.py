@@ -30,7 +30,6 @@ import sys
 from collections.abc import Sequence
 
 from lwjax.layout_report import (
-    DEFAULT_NUM_NS_STEPS,
     BufferSummary,
     LayoutSummary,
     PolicyResult,
@@ -39,7 +38,7 @@ from lwjax.layout_report import (
     full_layout_to_json,
     layout_to_json,
 )
-from lwjax.policies import DEFAULT_POLICY, POLICIES, compute_layout
+from lwjax.policies import DEFAULT_NUM_NS_STEPS, DEFAULT_POLICY, POLICIES, compute_layout
 from lwjax.presets import PRESETS, preset_specs, specs_from_json
 
 EXIT_USAGE = 2

@@ -31,31 +31,13 @@ from collections.abc import Mapping, Sequence
 
 from lwjax.layout import BufferKey, FullParamLayout, ParamSpec, PerBufferParamLayout
 from lwjax.policies import (
+    DEFAULT_NUM_NS_STEPS,
     DEFAULT_POLICY,
     POLICIES,
     LayoutPolicy,
     compute_full_param_layout,
+    ns_flops,
 )
-
-DEFAULT_NUM_NS_STEPS = 5
-
-
-def ns_flops(shape: Sequence[int], num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
-             qkv_split_shapes: Sequence[int] | None = None) -> int:
-    """Newton–Schulz FLOPs of one optimizer step for a matrix of ``shape``.
-
-    ``num_ns_steps * (4 * s**2 * l + 2 * s**3)`` with ``s = min(m, n)``,
-    ``l = max(m, n)``; ``0`` for anything that is not 2-D. With a QKV split
-    (rows as stored), each of the q, k and v blocks is orthogonalised on its own.
-    """
-    if len(shape) != 2:
-        return 0
-    if qkv_split_shapes:
-        groups = shape[0] // sum(qkv_split_shapes)
-        return sum(ns_flops((groups * rows, shape[1]), num_ns_steps) for rows in qkv_split_shapes)
-    s, l = sorted(shape)
-    return num_ns_steps * (4 * s * s * l + 2 * s**3)
-
 
 def _balance(loads: Sequence[int]) -> float | None:
     """``max / mean`` of ``loads``, or ``None`` when they are all zero."""

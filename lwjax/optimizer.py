@@ -50,7 +50,7 @@ from lwjax import muon as muon_lib
 from lwjax import sharded_step as step_lib
 from lwjax.buffers import ParamPlan, check_tree, make_plan, pack, unpack
 from lwjax.policies import DEFAULT_POLICY, LayoutPolicy
-from lwjax.schedule import bucket_schedule
+from lwjax.schedule import schedule_buckets
 from lwjax.sharded_step import PARAM_SYNCS, MeshAxes
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -224,8 +224,8 @@ def layerwise_muon(
       policy: Layout policy (:data:`lwjax.policies.POLICIES`).
       bucket_size: Bucket size in elements; ``None``: one bucket per buffer;
         ``"auto"``: Megatron's DDP default, ``max(4e7, 1e6 * dp)``. Several
-        buckets let XLA overlap one bucket's all-gather with the next
-        bucket's Newton–Schulz.
+        buckets let one bucket's all-gather run during a later bucket's
+        Newton–Schulz (:mod:`lwjax.schedule`).
       high_busbw: Pad buckets for high NCCL bus bandwidth.
       **routing: Routing rules (``is_muon``, ``stacked``, ``tied``, ``expert``,
         ``qkv_split``, ``lr_mult``, ``wd_mult``, ``grad_norm_group``); see
@@ -259,7 +259,7 @@ def layerwise_muon(
     transpose = config.matrix_convention == "in_out" and (
         muon.scale_mode != "spectral" or any(r.qkv_split_shapes for r in plan.routes)
     )
-    schedule = bucket_schedule(plan, muon.num_ns_steps)
+    schedule = schedule_buckets(plan, num_ns_steps=muon.num_ns_steps, transpose=transpose, split_qkv=muon.split_qkv)
     real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
     groups = (None, *plan.grad_norm_groups)  # norm group 0 is the main norm
     group_of = [groups.index(r.grad_norm_group) for r in plan.routes]
@@ -331,21 +331,14 @@ def layerwise_muon(
         new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)
         return new_master, new_tx_state, jnp.sum(jnp.square(new_master - master))
 
-    def update(grads, state: LayerwiseState, params):
-        check_tree(plan, grads, "update(grads)")
-        ranks = [axes.rank(b.key) for b in plan.buffers]
-        # 1-2. Pack local gradients (scaled for the mean over dp * ep) and reduce-scatter each bucket.
-        shards = step_lib.reduce_scatter(plan, axes, grads, master_dtype)
-        # 3. Norm per group, clipping and zero count from one psum over every data-parallel device.
-        norm_groups = step_lib.norm_groups(plan, ranks, group_of)
-        sq_sums, zeros = step_lib.grad_statistics(plan, shards, ranks, norm_groups, len(groups))
-        sq_sums, zeros = lax.psum((sq_sums, zeros), axes.data)
-        norms = jnp.sqrt(sq_sums)
-        finite = jnp.all(jnp.isfinite(norms))
-        coefs = step_lib.clip_coefficients(norms, config.clip_grad)
-        # 4-5. Update each bucket and gather it, in the schedule's order. One optimization barrier
-        # per bucket pins that order and makes the gathers due by then land first, so each
-        # gather runs during the later update the schedule chose for it, not after the last.
+    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
+        """Phases 4-5 bucket by bucket in the schedule's order: the new state and every gathered bucket.
+
+        One optimization barrier per bucket pins the order and makes the
+        gathers due by then land first, so each gather runs during the later
+        update the schedule chose for it rather than after the last one. Also
+        returns the sum of squared master changes.
+        """
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters = [list(b) for b in state.masters]
         moments = [list(m if b.key.is_layer_wise else e)
@@ -373,9 +366,25 @@ def layerwise_muon(
             tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
             tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
         )
+        return new_state, [tuple(g) for g in gathered], delta_sq
+
+    def update(grads, state: LayerwiseState, params):
+        check_tree(plan, grads, "update(grads)")
+        ranks = [axes.rank(b.key) for b in plan.buffers]
+        # 1-2. Pack local gradients (scaled for the mean over dp * ep) and reduce-scatter each bucket.
+        shards = step_lib.reduce_scatter(plan, axes, grads, master_dtype)
+        # 3. Norm per group, clipping and zero count from one psum over every data-parallel device.
+        norm_groups = step_lib.norm_groups(plan, ranks, group_of)
+        sq_sums, zeros = step_lib.grad_statistics(plan, shards, ranks, norm_groups, len(groups))
+        sq_sums, zeros = lax.psum((sq_sums, zeros), axes.data)
+        norms = jnp.sqrt(sq_sums)
+        finite = jnp.all(jnp.isfinite(norms))
+        coefs = step_lib.clip_coefficients(norms, config.clip_grad)
+        # 4-5. Update each bucket and gather it, in the schedule's order.
+        new_state, gathered, delta_sq = update_and_gather(state, shards, ranks, norm_groups, coefs, finite)
         update_rms = jnp.sqrt(lax.psum(delta_sq, axes.data) / real_numel)
         leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
-        new_params = unpack(plan, [tuple(g) for g in gathered], dtypes=leaf_dtypes)
+        new_params = unpack(plan, gathered, dtypes=leaf_dtypes)
         metrics = {
             "grad_norm": norms[0],
             "clip_coef": coefs[0],

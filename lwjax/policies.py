@@ -56,6 +56,29 @@ def ns_cost(spec: ParamSpec) -> int:
     return max(m, n) * min(m, n) ** 2
 
 
+DEFAULT_NUM_NS_STEPS = 5
+
+
+def ns_flops(shape: Sequence[int], num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
+             qkv_split_shapes: Sequence[int] | None = None) -> int:
+    """Newton–Schulz FLOPs of one optimizer step for a matrix of ``shape``.
+
+    ``num_ns_steps * (4 * s**2 * l + 2 * s**3)`` with ``s = min(m, n)``,
+    ``l = max(m, n)``; ``0`` for anything that is not 2-D. With a QKV split
+    (rows as stored), each of the q, k and v blocks is orthogonalised on its own.
+    """
+    if len(shape) != 2:
+        return 0
+    if qkv_split_shapes:
+        groups, rest = divmod(shape[0], sum(qkv_split_shapes))
+        if rest:
+            raise ValueError(f"ns_flops: {shape[0]} rows do not divide into q/k/v groups of {sum(qkv_split_shapes)} "
+                             f"(qkv_split_shapes={tuple(qkv_split_shapes)}).")
+        return sum(ns_flops((groups * rows, shape[1]), num_ns_steps) for rows in qkv_split_shapes)
+    s, l = sorted(shape)
+    return num_ns_steps * (4 * s * s * l + 2 * s**3)
+
+
 class _BucketWriter:
     """Accumulates buckets of one buffer: shard contents in, absolute offsets out."""
 

@@ -38,8 +38,8 @@ import dataclasses
 
 import numpy as np
 
-from lwjax.buffers import ParamPlan
-from lwjax.layout_report import ns_flops
+from lwjax.buffers import ParamPlan, SlotGroup
+from lwjax.policies import DEFAULT_NUM_NS_STEPS, ns_flops
 
 MATMUL_FLOPS_PER_S = 600e12
 MEMORY_BYTES_PER_S = 3e12
@@ -84,13 +84,26 @@ class BucketSchedule:
                                           else 0.0)) for s in self.steps)
 
 
-def _estimates(plan: ParamPlan, num_ns_steps: int) -> list[BucketStep]:
+def _group_flops(group: SlotGroup, num_ns_steps: int, transpose: bool, split_qkv: bool) -> int:
+    """Newton–Schulz FLOPs of one matrix of a slot group, rows as outputs.
+
+    A QKV split that does not divide the rows is left to fail in
+    :func:`lwjax.muon.orthogonalize`, which names the parameter.
+    """
+    shape = group.shape[::-1] if transpose else group.shape
+    split = group.qkv_split_shapes if split_qkv else None
+    if split and shape[0] % sum(split):
+        split = None
+    return ns_flops(shape, num_ns_steps, split)
+
+
+def _estimates(plan: ParamPlan, num_ns_steps: int, transpose: bool, split_qkv: bool) -> list[BucketStep]:
     steps = []
     for i, buffer in enumerate(plan.buffers):
         itemsize = np.dtype(buffer.key.param_dtype).itemsize
         for k, size in enumerate(buffer.shard_sizes):
             if buffer.key.is_layer_wise:
-                flops = sum(g.width * ns_flops(g.shape, num_ns_steps, g.qkv_split_shapes)
+                flops = sum(g.width * _group_flops(g, num_ns_steps, transpose, split_qkv)
                             for g in buffer.slot_groups if g.bucket == k)
                 update_s = flops / MATMUL_FLOPS_PER_S + size * MUON_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S
             else:
@@ -100,17 +113,22 @@ def _estimates(plan: ParamPlan, num_ns_steps: int) -> list[BucketStep]:
     return steps
 
 
-def bucket_schedule(plan: ParamPlan, num_ns_steps: int = 5) -> BucketSchedule:
-    """The update order of ``plan``'s buckets and the update each all-gather runs alongside.
+def schedule_buckets(plan: ParamPlan, *, num_ns_steps: int = DEFAULT_NUM_NS_STEPS, transpose: bool = False,
+                     split_qkv: bool = True) -> BucketSchedule:
+    """Order ``plan``'s bucket updates and pair each all-gather with a later update.
 
     Args:
       plan: The model's :class:`~lwjax.buffers.ParamPlan`.
       num_ns_steps: Newton–Schulz iterations (for the FLOP estimate).
+      transpose: Matrices are stored ``(in, out)``, so a QKV split cuts their
+        columns (``matrix_convention="in_out"`` with a QKV split or a
+        non-spectral scale).
+      split_qkv: Fused QKV matrices are orthogonalised per q/k/v block.
 
     Returns:
       A :class:`BucketSchedule` holding every bucket once.
     """
-    steps = _estimates(plan, num_ns_steps)
+    steps = _estimates(plan, num_ns_steps, transpose, split_qkv)
     elementwise = [s for s in steps if not plan.buffers[s.buffer].key.is_layer_wise]
     layer_wise = sorted((s for s in steps if plan.buffers[s.buffer].key.is_layer_wise), key=lambda s: -s.update_s)
     order = []

@@ -107,8 +107,9 @@ def per_element(buffer: BufferPlan, bucket: int, rank, value_of: Sequence, dtype
 
     Padding is zero in every gradient and master, so its value never matters.
     When every parameter of the bucket (on every rank) has the same value, that
-    value comes back as a Python scalar; otherwise a vector ``[S_b]`` built by
-    ``jnp.repeat`` from a per-rank run table.
+    value comes back as a Python scalar; otherwise a vector ``[S_b]`` from a
+    per-rank run table: a chain of selects on the element index (fused into
+    the consumer) for at most :data:`MAX_SELECT_RUNS` runs, else ``jnp.repeat``.
     """
     per_rank = buffer.runs[bucket]
     values = {value_of[leaf] for runs in per_rank for _, _, leaf in runs}
@@ -135,10 +136,10 @@ def per_element(buffer: BufferPlan, bucket: int, rank, value_of: Sequence, dtype
     # A few runs: a chain of selects on the element index, which XLA fuses into the
     # consumer, so the vector is never written to memory.
     index, starts = lax.iota(jnp.int32, size), jnp.cumsum(length)
-    values = jnp.broadcast_to(row[0], (size,))
+    vector = jnp.broadcast_to(row[0], (size,))
     for w in range(1, width):
-        values = jnp.where(index >= starts[w - 1], row[w], values)
-    return values
+        vector = jnp.where(index >= starts[w - 1], row[w], vector)
+    return vector
 
 
 def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype) -> list[tuple[jax.Array, ...]]:
@@ -275,12 +276,12 @@ def _broadcast(shard: jax.Array, axes, rank, num_shards: int) -> jax.Array:
     return lax.bitcast_convert_type(lax.psum(bucket, axes).astype(bits.dtype), shard.dtype)
 
 
-def gather_bucket(shard: jax.Array, axes, rank, num_shards: int, param_sync: str = "all_gather") -> jax.Array:
+def gather_bucket(shard: jax.Array, axis_names, rank, num_shards: int, param_sync: str = "all_gather") -> jax.Array:
     """Phase 5 for one bucket: every device's updated shard (in parameter dtype) on every device.
 
     ``param_sync="all_gather"``: one tiled ``all_gather``; ``"broadcast"``:
     the reference path, bitwise equal (see :func:`_broadcast`).
     """
     if param_sync == "broadcast":
-        return _broadcast(shard, axes, rank, num_shards)
-    return lax.all_gather(shard, axes, tiled=True)
+        return _broadcast(shard, axis_names, rank, num_shards)
+    return lax.all_gather(shard, axis_names, tiled=True)

@@ -54,7 +54,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.bench import WORKLOADS, _time, workload_shapes
+from lwjax.bench import WORKLOADS, time_steps, workload_shapes
 from lwjax.demo.devices import bytes_per_device
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
@@ -456,10 +456,10 @@ def _run_contender(name: str, cfg: TrainBenchConfig, model: ModelConfig, shapes,
     record = dict(compiled_bytes_per_device=_compiled_bytes(compiled),
                   attention="cudnn" if "cudnn$fmha" in compiled.as_text() else "xla")
     if name == FORWARD_BACKWARD:
-        seconds, (params, _) = _time(lambda p, out: (p, compiled(p, batch)), (*args, None), cfg.iters, cfg.warmup)
+        seconds, (params, _) = time_steps(lambda p, out: (p, compiled(p, batch)), (*args, None), cfg.iters, cfg.warmup)
         record["state_bytes_per_device"] = bytes_per_device(params)
     else:
-        seconds, args = _time(lambda p, s: compiled(p, s, batch)[:2], args, cfg.iters, cfg.warmup)
+        seconds, args = time_steps(lambda p, s: compiled(p, s, batch)[:2], args, cfg.iters, cfg.warmup)
         record["state_bytes_per_device"] = bytes_per_device(args)
         record["loss"] = float(compiled(*args, batch)[2])
     record["step_ms"] = seconds * 1e3

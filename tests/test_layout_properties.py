@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lwjax.layout import PARAM_ALIGN, ParamSpec, bucket_end_divisor, pad_param_start
-from lwjax.layout_report import layout_to_json, ns_flops, summarize_buffer, summarize_layout
+from lwjax.layout_report import layout_to_json, summarize_buffer, summarize_layout
 from lwjax.policies import (
     POLICIES,
     buffer_key_of,
     compute_distributed_optimizer_layout,
     compute_full_param_layout,
     compute_layout,
+    ns_flops,
 )
 
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None, database=None)
@@ -210,3 +211,7 @@ def test_ns_flops_formula():
     assert ns_flops((4, 8), 1) == 4 * 4 * 4 * 8 + 2 * 4**3
     assert ns_flops((8, 4)) == ns_flops((4, 8)) == 5 * ns_flops((4, 8), 1)
     assert ns_flops((16,)) == 0 and ns_flops((2, 3, 4)) == 0
+    # QKV split: rows (outputs) in groups of q/k/v blocks, each orthogonalised on its own.
+    assert ns_flops((4096, 64), 5, (1024, 512, 512)) == sum(ns_flops((2 * r, 64)) for r in (1024, 512, 512))
+    with pytest.raises(ValueError, match="do not divide"):
+        ns_flops((3000, 64), 5, (1024, 512, 512))

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon
 from lwjax.policies import POLICIES
+from lwjax.schedule import schedule_buckets
 from lwjax.train import make_train_step
 from reference import reference_run
 
@@ -248,3 +249,31 @@ def test_logical_state_of_bf16_params_is_lossless():
     assert logical.momenta["w1"].dtype == jnp.float32 and logical.masters["b1"].dtype == jnp.float32
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(from_logical(opt, logical))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_each_gather_lands_before_the_update_after_the_one_that_hides_it():
+    params = toy_params(layers=8)
+    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=CONFIG, bucket_size=2000)
+    state = opt.init(params)
+    grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
+    text = _step_fn(opt).lower(params, state, grads).as_text()
+    steps = schedule_buckets(opt.plan).steps  # no QKV split here, so the orientation does not matter
+    paired = {j: s.gathered_during for j, s in enumerate(steps)
+              if s.gathered_during is not None and s.gathered_during + 1 < len(steps)}
+    assert paired, "the toy model should give the schedule gathers to pin"
+    lines = text.splitlines()
+    # All-gathers in program order: one per bucket, in the schedule's order.
+    gathers = [(n, re.match(r"\s*(%\S+) = \"?stablehlo\.all_gather", line).group(1))
+               for n, line in enumerate(lines) if re.match(r"\s*%\S+ = \"?stablehlo\.all_gather", line)]
+    assert len(gathers) == len(steps)
+    landed = {}
+    for n, line in enumerate(lines):
+        if "stablehlo.optimization_barrier" in line:
+            operands = set(re.findall(r"%[\w#.]+", line.split("optimization_barrier", 1)[1]))
+            for j, (_, name) in enumerate(gathers):
+                if name in operands:
+                    landed[j] = n
+    assert set(landed) == set(paired)
+    for j, during in paired.items():
+        # Pinned after the update that hides it (whose own gather comes next) and before the one after.
+        assert gathers[during][0] < landed[j] < gathers[during + 1][0]

@@ -16,18 +16,21 @@ def _expected(buffer, bucket, rank, value_of, fill):
     return out
 
 
-@pytest.mark.parametrize("max_runs", [0, 16])
-def test_per_element_matches_the_runs(monkeypatch, max_runs):
-    # Interleaved 1-D and 2-D elementwise leaves: many runs of two values per shard.
-    params = {f"p{i:02d}": jnp.zeros((8, 4) if i % 2 else (12,)) for i in range(24)}
-    plan = make_plan(params, 2, bucket_size=None, is_muon=lambda *_: False)
+def _interleaved(num_leaves, dp):
+    """Alternating 1-D and 2-D elementwise leaves of uneven sizes: many runs, different per rank."""
+    params = {f"p{i:02d}": jnp.zeros((8, 4 + i % 3) if i % 2 else (12 + 4 * (i % 5),)) for i in range(num_leaves)}
+    return make_plan(params, dp, bucket_size=None, is_muon=lambda *_: False)
+
+
+@pytest.mark.parametrize("max_runs", [0, 10**6])  # every shard through jnp.repeat, then through the selects
+@pytest.mark.parametrize("num_leaves,dp", [(25, 2), (11, 3)])
+def test_per_element_matches_the_runs(monkeypatch, max_runs, num_leaves, dp):
+    plan = _interleaved(num_leaves, dp)
     value_of = [float(i % 3) + 0.5 for i in range(len(plan.routes))]
     monkeypatch.setattr(sharded_step, "MAX_SELECT_RUNS", max_runs)
     (buffer,) = plan.buffers
-    widths = []
     for rank in range(buffer.dp):
         got = sharded_step.per_element(buffer, 0, jnp.int32(rank), value_of)
-        fill = min(value_of)
-        np.testing.assert_array_equal(np.asarray(got), _expected(buffer, 0, rank, value_of, fill))
-        widths.append(len(buffer.runs[0][rank]))
-    assert max(widths) > 2  # both the select chain and the repeat see several runs
+        np.testing.assert_array_equal(np.asarray(got), _expected(buffer, 0, rank, value_of, min(value_of)))
+    runs = [len(buffer.runs[0][r]) for r in range(buffer.dp)]
+    assert min(runs) > 2 and len(set(runs)) > 1  # several runs, and a different count on some rank
