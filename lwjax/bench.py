@@ -26,9 +26,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.policies import ns_flops
 from lwjax.muon import MuonConfig
-from lwjax.optimizer import OptimizerConfig, default_bucket_size, layerwise_muon
+from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, default_bucket_size, layerwise_muon
+from lwjax.policies import DEFAULT_NUM_NS_STEPS, ns_flops
 
 WORKLOADS = {
     "8b": dict(hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, layers=4),
@@ -145,6 +145,29 @@ def pgle():
         jax.config.update("jax_pgle_profiling_runs", saved[1])
 
 
+def workload_optimizer(params, mesh: Mesh, qkv_split, *, ns_precision: str, grad_reduce_in_fp32: bool, policy: str,
+                       bucket_size, muon: bool = True, learning_rate: float = 1e-3, weight_decay: float = 0.01,
+                       clip_grad: float | None = 1.0) -> LayerwiseOptimizer:
+    """lwjax's optimizer for a workload's parameters: layers stacked, Megatron's ``[out, in]``, QKV split.
+
+    With ``muon=False`` every leaf goes to the elementwise Adam (ZeRO-1 AdamW:
+    the same reduce-scatter, clip and all-gather, no Newton–Schulz).
+    """
+    routing = {"qkv_split": qkv_split} if muon else {"is_muon": lambda name, shape: False}
+    return layerwise_muon(
+        params,
+        mesh,
+        learning_rate=learning_rate,
+        muon=MuonConfig(fp32_matmul_prec=ns_precision),
+        config=OptimizerConfig(weight_decay=weight_decay, clip_grad=clip_grad, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                               matrix_convention="out_in"),
+        policy=policy,
+        bucket_size=bucket_size,
+        stacked={"layers/*": 1},
+        **routing,
+    )
+
+
 def _local_grads(shapes, mesh, dtype):
     """Per-device gradients ``[dp, ...]``, sharded over dp, different on every device."""
     dp = mesh.shape["dp"]
@@ -169,17 +192,8 @@ def _params(shapes, mesh, dtype):
 def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
     params = _params(shapes, mesh, dtype)
-    opt = layerwise_muon(
-        params,
-        mesh,
-        learning_rate=1e-3,
-        muon=MuonConfig(fp32_matmul_prec=cfg.ns_precision),
-        config=OptimizerConfig(grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, matrix_convention="out_in"),
-        policy=cfg.policy,
-        bucket_size=cfg.bucket_size,
-        stacked={"layers/*": 1},
-        qkv_split=split,
-    )
+    opt = workload_optimizer(params, mesh, split, ns_precision=cfg.ns_precision,
+                             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, policy=cfg.policy, bucket_size=cfg.bucket_size)
     state = opt.init(params)
     grads = _local_grads(shapes, mesh, dtype)
     dp = mesh.shape["dp"]
@@ -330,7 +344,7 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     for buffer in plan.buffers:
         for group in buffer.slot_groups:
             for rank, names in enumerate(group.names):
-                flops[rank] += len(names) * ns_flops(group.shape, 5, group.qkv_split_shapes)
+                flops[rank] += len(names) * ns_flops(group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes)
     # The matmul rate is the best of three medians: single medians of one 8192^3
     # product varied from 444 to 665 TFLOP/s between calls on one H200 host.
     size = 1024 if mesh.devices.flat[0].platform == "cpu" else 8192

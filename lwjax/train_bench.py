@@ -54,10 +54,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.bench import WORKLOADS, time_steps, workload_shapes
+from lwjax.bench import WORKLOADS, time_steps, workload_optimizer, workload_shapes
 from lwjax.demo.devices import bytes_per_device
-from lwjax.muon import MuonConfig
-from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
+from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.policies import DEFAULT_POLICY
 
 MUON = "lwjax Muon"
@@ -317,24 +316,12 @@ class TrainBenchConfig:
 def lwjax_optimizer(params, mesh: Mesh, qkv_split, cfg: TrainBenchConfig, *, muon: bool = True) -> LayerwiseOptimizer:
     """The optimizer of ``lwjax Muon`` (``muon=True``) or ``lwjax AdamW (ZeRO-1)``.
 
-    Built as :mod:`lwjax.bench` builds it: layers stacked, Megatron's ``[out, in]``
-    convention, QKV split for Muon. With ``muon=False`` every leaf is routed
-    to the elementwise Adam (``is_muon`` always false), so the step keeps
-    lwjax's reduce-scatter, clip and all-gather and drops Newton–Schulz.
+    :func:`lwjax.bench.workload_optimizer` with ``cfg``'s hyper-parameters.
     """
-    routing = {"qkv_split": qkv_split} if muon else {"is_muon": lambda name, shape: False}
-    return layerwise_muon(
-        params,
-        mesh,
-        learning_rate=cfg.learning_rate,
-        muon=MuonConfig(fp32_matmul_prec=cfg.ns_precision),
-        config=OptimizerConfig(weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                               grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, matrix_convention="out_in"),
-        policy=cfg.policy,
-        bucket_size=cfg.bucket_size,
-        stacked={"layers/*": 1},
-        **routing,
-    )
+    return workload_optimizer(params, mesh, qkv_split, muon=muon, ns_precision=cfg.ns_precision,
+                              grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, policy=cfg.policy,
+                              bucket_size=cfg.bucket_size, learning_rate=cfg.learning_rate,
+                              weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad)
 
 
 def lwjax_step(loss, optimizer: LayerwiseOptimizer):
