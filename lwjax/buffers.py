@@ -343,18 +343,30 @@ def unpack(plan: ParamPlan, buffers: Sequence[Buckets | None], dtypes: Sequence 
 def _read_leaf(runs: list[tuple[Segment, jax.Array]], shape: tuple[int, ...]) -> jax.Array:
     """Read one leaf's parameters (in leaf order) out of their bucket arrays.
 
-    Stacked parameters of one bucket are read with one gather of whole rows
-    (a many-operand concatenate runs far below memory bandwidth on GPU).
+    Stacked parameters of one bucket are read as one block of whole rows: a
+    static slice when they sit back to back (in either order: Megatron fills
+    buffers back to front), else one gather (a many-operand concatenate runs far
+    below memory bandwidth on GPU). The blocks of several buckets are
+    concatenated, which XLA does in one pass.
     """
     if len(runs) == 1:
         seg, bucket = runs[0]
         return bucket[seg.offset : seg.offset + seg.numel].reshape(shape)
     numel = runs[0][0].numel
     parts = []
-    for bucket, group in itertools.groupby(runs, key=lambda r: id(r[1])):
+    for _, group in itertools.groupby(runs, key=lambda r: id(r[1])):
         group = list(group)
-        starts = jnp.asarray([seg.offset for seg, _ in group], jnp.int32)
-        array = group[0][1]
-        parts.append(jax.vmap(lambda start, array=array: lax.dynamic_slice(array, (start,), (numel,)))(starts))
+        parts.append(_read_rows(group[0][1], [seg.offset for seg, _ in group], numel))
     rows = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     return rows.reshape(shape)
+
+
+def _read_rows(array: jax.Array, starts: list[int], numel: int) -> jax.Array:
+    """Rows ``array[start : start + numel]`` for each start, as ``[len(starts), numel]``."""
+    steps = {b - a for a, b in zip(starts, starts[1:])}
+    if steps <= {numel}:
+        return array[starts[0] : starts[0] + len(starts) * numel].reshape(len(starts), numel)
+    if steps == {-numel}:
+        return array[starts[-1] : starts[0] + numel].reshape(len(starts), numel)[::-1]
+    offsets = jnp.asarray(starts, jnp.int32)
+    return jax.vmap(lambda start: lax.dynamic_slice(array, (start,), (numel,)))(offsets)

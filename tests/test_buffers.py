@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwjax.buffers import make_plan, pack, unpack
+from lwjax.buffers import _read_rows, make_plan, pack, unpack
 from lwjax.policies import POLICIES
 
 
@@ -21,6 +21,17 @@ def stacked_params(seed=0):
 
 
 STACK = {"layers/*": 1}
+
+
+@pytest.mark.parametrize("starts, ops", [([4, 8, 12], {"slice"}), ([12, 8, 4], {"slice", "rev"}),
+                                         ([0, 20, 8], {"gather"}), ([16], {"slice"})],
+                         ids=["forward", "back_to_front", "scattered", "one"])
+def test_read_rows_slices_back_to_back_rows_and_gathers_the_rest(starts, ops):
+    array = jnp.arange(40.0)
+    rows = _read_rows(array, starts, 4)
+    np.testing.assert_array_equal(np.asarray(rows), np.stack([np.arange(s, s + 4) for s in starts]))
+    jaxpr = str(jax.make_jaxpr(lambda a: _read_rows(a, starts, 4))(array))
+    assert {op for op in ("slice", "rev", "gather") if f" {op}[" in jaxpr} == ops
 
 
 @pytest.mark.parametrize("policy", POLICIES)
