@@ -24,6 +24,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
@@ -346,12 +347,17 @@ def orthogonalize(
     split = _check_qkv_split(qkv_split_shapes, m)
     groups = m // sum(split)
     grouped = update.reshape(*batch, groups, sum(split), n)
-    pieces, start = [], 0
-    for rows in split:
-        piece = grouped[..., start:start + rows, :].reshape(*batch, groups * rows, n)
-        pieces.append(scaled(piece).reshape(*batch, groups, rows, n))
-        start += rows
-    return jnp.concatenate(pieces, axis=-2).reshape(update.shape)
+    starts = np.cumsum((0, *split[:-1]))
+    pieces = [grouped[..., start:start + rows, :].reshape(*batch, groups * rows, n)
+              for start, rows in zip(starts, split)]
+    # Pieces of one shape (key and value) are orthogonalised as one batch: half the small kernels.
+    done = [None] * len(split)
+    for rows in dict.fromkeys(split):
+        same = [i for i, r in enumerate(split) if r == rows]
+        out = scaled(jnp.stack([pieces[i] for i in same]))
+        for j, i in enumerate(same):
+            done[i] = out[j].reshape(*batch, groups, rows, n)
+    return jnp.concatenate(done, axis=-2).reshape(update.shape)
 
 
 @dataclasses.dataclass(frozen=True)

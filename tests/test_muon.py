@@ -263,8 +263,8 @@ def _orthogonalize_qkv_by_hand(u, split, **kwargs):
 
 @pytest.mark.parametrize(
     "split, scale_mode",
-    [((4, 2, 2), "spectral"), ((4, 2, 2), "unit_rms_norm"), ((4, 4, 2, 2), "unit_rms_norm")],
-    ids=["qkv_spectral", "qkv_unit_rms_norm", "gated_qqkv_unit_rms_norm"],
+    [((4, 2, 2), "spectral"), ((4, 2, 2), "unit_rms_norm"), ((4, 4, 2, 2), "unit_rms_norm"), ((2, 4, 2), "spectral")],
+    ids=["qkv_spectral", "qkv_unit_rms_norm", "gated_qqkv_unit_rms_norm", "equal_pieces_apart"],
 )
 def test_orthogonalize_qkv_split_matches_manual_row_blocks(split, scale_mode):
     groups, cols = 3, 10
