@@ -24,7 +24,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
@@ -116,27 +115,25 @@ def _iterate_exact(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
 
 
 def _iterate_rescaled(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
-    """The same iteration on a rescaled iterate, with no elementwise pass over ``[m, n]`` on a GPU.
+    """The same iteration on a rescaled iterate, for GPUs: one pass over ``[m, n]`` per step besides the matmuls.
 
-    ``a X + B X`` needs a pass that reads ``X`` and the product and writes the sum,
-    in fp32 on top of the matmul (XLA's cuBLAS path does not fold the scaled
-    addend into the matmul). Keeping :math:`X_k = s_k Z_k` with a Python scalar
-    :math:`s_k` makes the addend's coefficient 1:
+    In Megatron's order ``a X + B X`` comes out of the matmul in ``acc_dtype``
+    and takes a pass that reads it and ``X`` (XLA's cuBLAS path does not fold a
+    scaled addend into the matmul). Keeping :math:`X_k = s_k Z_k` with a Python
+    scalar :math:`s_k` makes the addend's coefficient 1:
 
     .. math::
 
        X_{k+1} = s_k a_k \\left(Z_k + (b'_k G_k + c'_k G_k^2) Z_k\\right), \\quad
        G_k = Z_k Z_k^\\top, \\quad b'_k = b_k s_k^2 / a_k, \\quad c'_k = c_k s_k^4 / a_k,
 
-    so :math:`Z_{k+1} = Z_k + P_k Z_k` with :math:`s_{k+1} = a_k s_k`, and the sum
-    is taken in ``y.dtype`` right after the matmul, in one fused kernel. ``P_k``
-    is ``[m, m]`` and still combined in ``acc_dtype``. The sum of a narrow dtype
-    rounds twice (product, then sum), so this is for GPUs, where it saves a
-    third of the step's memory traffic besides the matmuls.
+    so :math:`Z_{k+1} = Z_k + P_k Z_k` and :math:`s_{k+1} = a_k s_k`: the product
+    comes out in ``y.dtype`` and one sum in ``y.dtype`` follows (it rounds twice:
+    product, then sum). ``P_k`` is ``[m, m]`` and still combined in ``acc_dtype``.
     """
     scale = 1.0
     for a, b, c in steps:
-        if scale > _MAX_DEFERRED_SCALE:  # keep G^2 ~ s^-4 far from underflow
+        if scale > _MAX_DEFERRED_SCALE:  # keep c s^4 / a and G^2 ~ s^-4 well inside the float range
             y, scale = (y.astype(acc_dtype) * scale).astype(y.dtype), 1.0
         b, c = b * scale**2 / a, c * scale**4 / a
         gram = jnp.matmul(y, jnp.swapaxes(y, -1, -2), precision=precision, preferred_element_type=y.dtype)
@@ -144,7 +141,7 @@ def _iterate_rescaled(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array
         poly = (b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
         y = y + jnp.matmul(poly, y, precision=precision, preferred_element_type=y.dtype)
         scale *= a
-    return y.astype(acc_dtype) * scale
+    return (y.astype(acc_dtype) * scale).astype(y.dtype).astype(acc_dtype)  # X_N in y.dtype, as the exact path
 
 
 def newton_schulz(
@@ -347,7 +344,7 @@ def orthogonalize(
     split = _check_qkv_split(qkv_split_shapes, m)
     groups = m // sum(split)
     grouped = update.reshape(*batch, groups, sum(split), n)
-    starts = np.cumsum((0, *split[:-1]))
+    starts = [sum(split[:i]) for i in range(len(split))]
     pieces = [grouped[..., start:start + rows, :].reshape(*batch, groups * rows, n)
               for start, rows in zip(starts, split)]
     # Pieces of one shape (key and value) are orthogonalised as one batch: half the small kernels.

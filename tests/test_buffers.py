@@ -24,8 +24,9 @@ STACK = {"layers/*": 1}
 
 
 @pytest.mark.parametrize("starts, ops", [([4, 8, 12], {"slice"}), ([12, 8, 4], {"slice", "rev"}),
-                                         ([0, 20, 8], {"gather"}), ([16], {"slice"})],
-                         ids=["forward", "back_to_front", "scattered", "one"])
+                                         ([0, 20, 8], {"gather"}), ([8, 4, 8], {"gather"}), ([8, 8], {"gather"}),
+                                         ([16], {"slice"})],
+                         ids=["forward", "back_to_front", "scattered", "back_and_forth", "repeated", "one"])
 def test_read_rows_slices_back_to_back_rows_and_gathers_the_rest(starts, ops):
     array = jnp.arange(40.0)
     rows = _read_rows(array, starts, 4)
