@@ -80,8 +80,12 @@ class BenchConfig:
     megatron_script: str | None = None
     profile_dir: str | None = None
     pgle: bool = False
+    grad_std: float = 1e-2
+    pipeline_muon: bool = False
 
     def __post_init__(self):
+        if not self.grad_std > 0:
+            raise ValueError(f"BenchConfig.grad_std must be positive; got {self.grad_std!r}.")
         if self.workload not in WORKLOADS:
             raise ValueError(f"BenchConfig.workload must be one of {tuple(WORKLOADS)}; got {self.workload!r}.")
         if not self.dp_sizes or min(self.dp_sizes) < 1:
@@ -147,7 +151,7 @@ def pgle():
 
 def workload_optimizer(params, mesh: Mesh, qkv_split, *, ns_precision: str, grad_reduce_in_fp32: bool, policy: str,
                        bucket_size, muon: bool = True, learning_rate: float = 1e-3, weight_decay: float = 0.01,
-                       clip_grad: float | None = 1.0) -> LayerwiseOptimizer:
+                       clip_grad: float | None = 1.0, pipeline_muon: bool = False) -> LayerwiseOptimizer:
     """lwjax's optimizer for a workload's parameters: layers stacked, Megatron's ``[out, in]``, QKV split.
 
     With ``muon=False`` every leaf goes to the elementwise Adam (ZeRO-1 AdamW:
@@ -160,7 +164,7 @@ def workload_optimizer(params, mesh: Mesh, qkv_split, *, ns_precision: str, grad
         learning_rate=learning_rate,
         muon=MuonConfig(fp32_matmul_prec=ns_precision),
         config=OptimizerConfig(weight_decay=weight_decay, clip_grad=clip_grad, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                               matrix_convention="out_in"),
+                               matrix_convention="out_in", pipeline_muon=pipeline_muon),
         policy=policy,
         bucket_size=bucket_size,
         stacked={"layers/*": 1},
@@ -168,13 +172,13 @@ def workload_optimizer(params, mesh: Mesh, qkv_split, *, ns_precision: str, grad
     )
 
 
-def _local_grads(shapes, mesh, dtype):
-    """Per-device gradients ``[dp, ...]``, sharded over dp, different on every device."""
+def _local_grads(shapes, mesh, dtype, std=1e-2):
+    """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over dp, different on every device."""
     dp = mesh.shape["dp"]
     sharding = NamedSharding(mesh, P("dp"))
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     make = jax.jit(
-        lambda key, shape: 1e-2 * jax.random.normal(key, (dp, *shape), dtype),
+        lambda key, shape: (std * jax.random.normal(key, (dp, *shape), jnp.float32)).astype(dtype),
         static_argnums=1,
         out_shardings=sharding,
     )
@@ -193,9 +197,12 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
     params = _params(shapes, mesh, dtype)
     opt = workload_optimizer(params, mesh, split, ns_precision=cfg.ns_precision,
-                             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, policy=cfg.policy, bucket_size=cfg.bucket_size)
+                             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, policy=cfg.policy, bucket_size=cfg.bucket_size,
+                             pipeline_muon=cfg.pipeline_muon)
     state = opt.init(params)
-    grads = _local_grads(shapes, mesh, dtype)
+    grads = _local_grads(shapes, mesh, dtype, cfg.grad_std)
+    grad_norm = float(jax.jit(lambda g: optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g)))(
+        grads))  # of the mean gradient, what the step clips by
     dp = mesh.shape["dp"]
     step = jax.jit(
         jax.shard_map(
@@ -218,7 +225,7 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
         sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards if s.device == d)
         for d in mesh.devices.flat
     )
-    return seconds, state_bytes, opt, profile
+    return seconds, state_bytes, opt, profile, grad_norm
 
 
 _KERNEL_KINDS = (
@@ -300,7 +307,7 @@ def _bench_optax(cfg: BenchConfig, shapes, mesh):
     }
     tx = optax.contrib.muon(learning_rate=1e-3, weight_decay=0.01, muon_weight_dimension_numbers=dims)
     opt_state = jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
-    grads = _local_grads(shapes, mesh, dtype)
+    grads = _local_grads(shapes, mesh, dtype, cfg.grad_std)
     state_spec = jax.tree.map(lambda _: P(), opt_state)
 
     def local(p, o, g):
@@ -371,7 +378,7 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
     layers = cfg.layers or WORKLOADS[cfg.workload]["layers"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp}", cfg.megatron_script,
            "--preset", cfg.workload, "--layers", str(layers), "--iters", str(cfg.iters), "--warmup", str(cfg.warmup),
-           "--ns-prec", cfg.ns_precision]
+           "--ns-prec", cfg.ns_precision, "--grad-std", repr(cfg.grad_std)]
     if not cfg.grad_reduce_in_fp32:
         cmd.append("--no-grad-reduce-in-fp32")
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
@@ -405,11 +412,12 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
         mesh = Mesh(np.array(devices[:dp]), ("dp",))
         base = dict(workload=cfg.workload, layers=cfg.layers or WORKLOADS[cfg.workload]["layers"], params=numel,
                     dp=dp, device=devices[0].device_kind, jax=jax.__version__)
-        seconds, nbytes, opt, profile = _bench_lwjax(cfg, shapes, split, mesh)
+        seconds, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, shapes, split, mesh)
         floor = _floor(cfg, opt, mesh)
         bucket_size = default_bucket_size(dp) if cfg.bucket_size == "auto" else cfg.bucket_size
         records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=bucket_size,
-                            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, pgle=cfg.pgle,
+                            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, pgle=cfg.pgle, grad_std=cfg.grad_std,
+                            grad_norm=grad_norm, pipeline_muon=cfg.pipeline_muon,
                             step_ms=seconds * 1e3, state_bytes_per_device=nbytes, **floor,
                             **({"profile": profile} if profile else {})))
         if dp in megatron:

@@ -467,17 +467,30 @@ def muon_update(
             "muon_update: param, grad and momentum must share a shape; "
             f"got {param.shape=}, {grad.shape=}, {momentum.shape=}."
         )
-    dtype = param.dtype
+    direction, momentum = muon_direction(grad, momentum, config=config, qkv_split_shapes=qkv_split_shapes)
+    return apply_direction(param, direction, learning_rate=learning_rate, weight_decay=weight_decay), momentum
 
-    # 1. Decoupled weight decay (skipped when it is a literal zero, as Megatron does).
-    if not (isinstance(weight_decay, numbers.Real) and weight_decay == 0):
-        param = param - (learning_rate * weight_decay) * param
-    # 2. Momentum as an EMA of the gradient.
+
+def muon_direction(
+    grad: jax.Array,
+    momentum: jax.Array,
+    *,
+    config: MuonConfig,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""The half of :func:`muon_update` that needs no parameter: new momentum and the direction.
+
+    .. math::
+
+      M &\leftarrow M + (1 - \beta)(G - M) \\
+      O &= \mathrm{orthogonalize}(G + \beta (M - G) \text{ if nesterov, else } M)
+
+    Returns:
+      ``(direction, new_momentum)``; the direction in ``momentum``'s dtype.
+    """
     beta = config.momentum
     momentum = _lerp(momentum, grad, 1.0 - beta)
-    # 3. Nesterov look-ahead, or the buffer itself.
     update = _lerp(grad, momentum, beta) if config.nesterov else momentum
-    # 4. Orthogonalise and scale.
     direction = orthogonalize(
         update,
         coefficient_type=config.coefficient_type,
@@ -487,5 +500,21 @@ def muon_update(
         precision=config.fp32_matmul_prec,
         qkv_split_shapes=qkv_split_shapes if config.split_qkv else None,
     )
-    # 5. Apply.
-    return (param - learning_rate * direction).astype(dtype), momentum
+    return direction, momentum
+
+
+def apply_direction(
+    param: jax.Array,
+    direction: jax.Array,
+    *,
+    learning_rate: float | jax.Array,
+    weight_decay: float | jax.Array,
+) -> jax.Array:
+    r"""The other half: decoupled weight decay, then the step, :math:`P \leftarrow P - \eta\lambda P - \eta O`.
+
+    Decay is skipped when it is a literal zero, as Megatron does. Returns ``param``'s dtype.
+    """
+    new = param
+    if not (isinstance(weight_decay, numbers.Real) and weight_decay == 0):
+        new = new - (learning_rate * weight_decay) * new
+    return (new - learning_rate * direction).astype(param.dtype)

@@ -83,6 +83,16 @@ class OptimizerConfig:
       param_sync: How updated parameters reach every device: ``"all_gather"``
         (one tiled all-gather per bucket) or ``"broadcast"``, Megatron's
         reference path (each owner's shard broadcast; bitwise equal).
+      pipeline_muon: Start each layer-wise bucket's Muon direction (momentum,
+        Newton–Schulz) as soon as its gradient shard arrives, so Newton–Schulz
+        overlaps the remaining reduce-scatters. Exact without clipping. With
+        clipping it speculates that no clip coefficient is below 1: after the
+        norm, one ``lax.cond`` keeps those results or recomputes the
+        layer-wise buckets with the clipped gradients (the same arithmetic
+        either way), so a step that clips does the layer-wise work twice, and
+        the old layer-wise masters and momenta stay in memory until the step
+        ends. It pays off under XLA's profile-guided scheduling (PGLE) while
+        clipping rarely binds; see ``docs/benchmarks.md``.
     """
 
     weight_decay: float = 0.01
@@ -91,6 +101,7 @@ class OptimizerConfig:
     master_dtype: str = "float32"
     matrix_convention: str = "in_out"
     param_sync: str = "all_gather"
+    pipeline_muon: bool = False
 
     def __post_init__(self):
         if self.param_sync not in PARAM_SYNCS:
@@ -313,66 +324,113 @@ def layerwise_muon(
             local_init, mesh=mesh, in_specs=(param_specs,), out_specs=state_specs, check_vma=False
         )(params)
 
-    def update_bucket(i: int, k: int, master, moments, grad, rank, finite, lr_m, lr_a):
+    layer_wise_steps = [s for s in schedule.steps if s.layer_wise]
+
+    def update_bucket(i: int, k: int, master, moments, grad, directions, rank, finite, lr_m, lr_a):
         """Phase 4 for one bucket: this device's new master shard and optimizer state.
 
         ``moments`` is the Muon momentum of a layer-wise bucket, else the
-        elementwise optax state. Where ``finite`` is false everything keeps its
-        old value; the select is fused into the update rather than branched on,
-        so no host round trip stalls the all-gathers. Also returns the sum of
-        squared master changes.
+        elementwise optax state; ``directions`` the bucket's
+        :func:`~lwjax.sharded_step.muon_directions` if already computed. Where
+        ``finite`` is false everything keeps its old value; the select is fused
+        into the update rather than branched on, so no host round trip stalls
+        the all-gathers. Also returns the sum of squared master changes.
         """
         buffer = plan.buffers[i]
         if buffer.key.is_layer_wise:
-            return step_lib.muon_shard(buffer, k, master, moments, grad, rank, finite, lr_m, config.weight_decay,
-                                       muon, transpose)
+            if directions is None:
+                directions = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose)
+            return step_lib.muon_apply(buffer, k, master, moments, directions, rank, finite, lr_m,
+                                       config.weight_decay, transpose)
         lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
         decay = step_lib.per_element(buffer, k, rank, decay_of)
         new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)
         return new_master, new_tx_state, jnp.sum(jnp.square(new_master - master))
 
-    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
-        """Phases 4-5 bucket by bucket in the schedule's order: the new state and every gathered bucket.
+    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite, directions=None,
+                          layer_wise_only=False):
+        """Phases 4-5 bucket by bucket in the schedule's order: new masters, moments and gathered buckets.
 
         One optimization barrier per bucket pins the order and makes the
         gathers due by then land first, so each gather runs during the later
-        update the schedule chose for it rather than after the last one. Also
-        returns the sum of squared master changes.
+        update the schedule chose for it rather than after the last one.
+        ``directions`` maps ``(buffer, bucket)`` to precomputed Muon
+        directions; ``layer_wise_only`` skips elementwise buckets (left
+        ``None``). Also returns each updated bucket's sum of squared master changes.
         """
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters = [list(b) for b in state.masters]
         moments = [list(m if b.key.is_layer_wise else e)
                    for b, m, e in zip(plan.buffers, state.momenta, state.elementwise)]
         gathered = [[None] * b.num_buckets for b in plan.buffers]
-        delta_sq, previous = jnp.zeros([], master_dtype), ()
+        delta_sq, previous, landed = {}, (), set()
         for t, step in enumerate(schedule.steps):
             i, k = step.buffer, step.bucket
-            due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.lands_before(t)]
-            (master, moment, grad), _, landed = lax.optimization_barrier(
-                ((masters[i][k], moments[i][k], shards[i][k]), previous, [gathered[a][b] for a, b in due]))
-            for (a, b), x in zip(due, landed):
+            if layer_wise_only and not plan.buffers[i].key.is_layer_wise:
+                continue
+            due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.due_before(t)]
+            due = [(a, b) for a, b in due if gathered[a][b] is not None and (a, b) not in landed]
+            own = directions[i, k] if directions is not None and (i, k) in directions else None
+            (master, moment, grad, own), _, arrived = lax.optimization_barrier(
+                ((masters[i][k], moments[i][k], shards[i][k], own), previous, [gathered[a][b] for a, b in due]))
+            for (a, b), x in zip(due, arrived):
                 gathered[a][b] = x
-            if config.clip_grad:
+            landed.update(due)
+            if config.clip_grad and own is None:
                 grad = step_lib.clip_shard(grad, norm_groups[i][k], coefs)
-            masters[i][k], moments[i][k], d = update_bucket(i, k, master, moment, grad, ranks[i], finite, lr_m, lr_a)
-            delta_sq += d
+            masters[i][k], moments[i][k], delta_sq[i, k] = update_bucket(i, k, master, moment, grad, own, ranks[i],
+                                                                         finite, lr_m, lr_a)
             buffer = plan.buffers[i]
             previous = masters[i][k].astype(buffer.key.param_dtype)
             gathered[i][k] = step_lib.gather_bucket(previous, axes.of(buffer.key), ranks[i], buffer.dp,
                                                     config.param_sync)
-        new_state = LayerwiseState(
-            jnp.where(finite, state.count + 1, state.count),
-            tuple(tuple(m) for m in masters),
-            tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
-            tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
-        )
-        return new_state, [tuple(g) for g in gathered], delta_sq
+        return masters, moments, gathered, delta_sq
+
+    def muon_directions_pipelined(state: LayerwiseState, shards, ranks):
+        """Every layer-wise bucket's Muon directions in update order, each as soon as its gradient shard is in.
+
+        The chain of barriers keeps XLA from running them in another order; the
+        reduce-scatters of later buckets run meanwhile. The gradients are taken
+        unclipped, which is exact only where the clip coefficients are all 1.
+        """
+        directions, previous = {}, ()
+        for s in layer_wise_steps:
+            i, k = s.buffer, s.bucket
+            (moment, grad), _ = lax.optimization_barrier(((state.momenta[i][k], shards[i][k]), previous))
+            directions[i, k] = previous = step_lib.muon_directions(plan.buffers[i], k, moment, grad, ranks[i], muon,
+                                                                   transpose)
+        return directions
+
+    def redo_if_clipped(results, state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
+        """Keep the speculative layer-wise results where no clip coefficient is below 1, else recompute them.
+
+        One ``lax.cond`` after the step's last collective picks the branch; the
+        speculative results pass through a barrier with the predicate so XLA
+        cannot sink their computation into the branch.
+        """
+        keys = [(s.buffer, s.bucket) for s in layer_wise_steps]
+        pick = lambda masters, moments, gathered, delta_sq: [  # noqa: E731
+            (masters[i][k], moments[i][k], gathered[i][k], delta_sq[i, k]) for i, k in keys]
+
+        def recompute(_):
+            return pick(*update_and_gather(state, shards, ranks, norm_groups, coefs, finite, layer_wise_only=True))
+
+        exact, speculative = lax.optimization_barrier((jnp.all(coefs == 1), pick(*results)))
+        masters, moments, gathered, delta_sq = results
+        for (i, k), new in zip(keys, lax.cond(exact, lambda x: x, recompute, speculative)):
+            masters[i][k], moments[i][k], gathered[i][k], delta_sq[i, k] = new
+        return masters, moments, gathered, delta_sq
 
     def update(grads, state: LayerwiseState, params):
         check_tree(plan, grads, "update(grads)")
         ranks = [axes.rank(b.key) for b in plan.buffers]
-        # 1-2. Pack local gradients (scaled for the mean over dp * ep) and reduce-scatter each bucket.
-        shards = step_lib.reduce_scatter(plan, axes, grads, master_dtype)
+        # 1-2. Pack local gradients (scaled for the mean over dp * ep) and reduce-scatter each bucket. Pipelined:
+        # layer-wise buckets first (nothing elementwise can start before the norm), and their Muon directions
+        # start as each arrives.
+        order = [(s.buffer, s.bucket) for s in sorted(schedule.steps, key=lambda s: not s.layer_wise)] \
+            if config.pipeline_muon else None
+        shards = step_lib.reduce_scatter(plan, axes, grads, master_dtype, order)
+        directions = muon_directions_pipelined(state, shards, ranks) if config.pipeline_muon else None
         # 3. Norm per group, clipping and zero count from one psum over every data-parallel device.
         norm_groups = step_lib.norm_groups(plan, ranks, group_of)
         sq_sums, zeros = step_lib.grad_statistics(plan, shards, ranks, norm_groups, len(groups))
@@ -381,10 +439,19 @@ def layerwise_muon(
         finite = jnp.all(jnp.isfinite(norms))
         coefs = step_lib.clip_coefficients(norms, config.clip_grad)
         # 4-5. Update each bucket and gather it, in the schedule's order.
-        new_state, gathered, delta_sq = update_and_gather(state, shards, ranks, norm_groups, coefs, finite)
-        update_rms = jnp.sqrt(lax.psum(delta_sq, axes.data) / real_numel)
+        results = update_and_gather(state, shards, ranks, norm_groups, coefs, finite, directions)
+        if config.pipeline_muon and config.clip_grad:
+            results = redo_if_clipped(results, state, shards, ranks, norm_groups, coefs, finite)
+        masters, moments, gathered, delta_sq = results
+        new_state = LayerwiseState(
+            jnp.where(finite, state.count + 1, state.count),
+            tuple(tuple(m) for m in masters),
+            tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
+            tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
+        )
+        update_rms = jnp.sqrt(lax.psum(sum(delta_sq.values()), axes.data) / real_numel)
         leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
-        new_params = unpack(plan, gathered, dtypes=leaf_dtypes)
+        new_params = unpack(plan, [tuple(g) for g in gathered], dtypes=leaf_dtypes)
         metrics = {
             "grad_norm": norms[0],
             "clip_coef": coefs[0],

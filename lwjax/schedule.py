@@ -58,6 +58,7 @@ class BucketStep:
       gather_s: Estimated time of the bucket's all-gather.
       gathered_during: Position (in the schedule) of the later update that
         runs while this bucket is gathered, or ``None``: after the last update.
+      layer_wise: Whether the bucket holds Muon matrices.
     """
 
     buffer: int
@@ -65,6 +66,7 @@ class BucketStep:
     update_s: float
     gather_s: float
     gathered_during: int | None = None
+    layer_wise: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +75,13 @@ class BucketSchedule:
 
     steps: tuple[BucketStep, ...]
 
-    def lands_before(self, t: int) -> list[int]:
-        """Positions of the buckets whose gathers must land before update ``t`` starts."""
-        return [j for j, s in enumerate(self.steps) if s.gathered_during is not None and s.gathered_during + 1 == t]
+    def due_before(self, t: int) -> list[int]:
+        """Positions of the buckets whose gathers must have landed before update ``t`` starts.
+
+        Those gathered during an earlier update; a step that runs every update
+        pins each of them right before the update after the one hiding it.
+        """
+        return [j for j, s in enumerate(self.steps) if s.gathered_during is not None and s.gathered_during < t]
 
     @property
     def exposed_gather_s(self) -> float:
@@ -109,7 +115,7 @@ def _estimates(plan: ParamPlan, num_ns_steps: int, transpose: bool, split_qkv: b
             else:
                 update_s = size * ELEMENTWISE_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S
             gather_s = size * (buffer.dp - 1) * itemsize / BUS_BYTES_PER_S
-            steps.append(BucketStep(i, k, update_s, gather_s))
+            steps.append(BucketStep(i, k, update_s, gather_s, layer_wise=buffer.key.is_layer_wise))
     return steps
 
 

@@ -142,17 +142,21 @@ def per_element(buffer: BufferPlan, bucket: int, rank, value_of: Sequence, dtype
     return vector
 
 
-def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype) -> list[tuple[jax.Array, ...]]:
+def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype, order=None) -> list[list[jax.Array]]:
     """Phases 1–2: pack local gradients divided by ``dp * ep``, reduce-scatter each bucket over its axes.
 
-    Returns, per buffer and bucket, this device's summed shard in ``dtype``.
+    ``order`` lists ``(buffer, bucket)`` pairs in the order the collectives
+    are issued (default: buffer by buffer). Returns, per buffer and bucket,
+    this device's summed shard in ``dtype``.
     """
     packed = pack(plan, jax.tree.map(lambda g: g.astype(dtype) / axes.num_data, grads),
                   dtypes=[b.key.grad_dtype for b in plan.buffers])
-    return [
-        tuple(lax.psum_scatter(flat, axes.of(b.key), tiled=True).astype(dtype) for flat in buckets)
-        for b, buckets in zip(plan.buffers, packed)
-    ]
+    if order is None:
+        order = [(i, k) for i, b in enumerate(plan.buffers) for k in range(b.num_buckets)]
+    shards = [[None] * b.num_buckets for b in plan.buffers]
+    for i, k in order:
+        shards[i][k] = lax.psum_scatter(packed[i][k], axes.of(plan.buffers[i].key), tiled=True).astype(dtype)
+    return shards
 
 
 def norm_groups(plan: ParamPlan, ranks, group_of: Sequence[int]) -> list[list]:
@@ -201,38 +205,65 @@ def clip_shard(shard: jax.Array, group, coefs: jax.Array) -> jax.Array:
     return shard * coefs[group]
 
 
-def muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight_decay, muon_config, transpose):
-    """Muon on every whole matrix this rank owns in its shard of one layer-wise bucket.
+def _slot_groups(buffer, bucket) -> tuple[list, int]:
+    """The slot groups of one bucket, and the zero scratch a shard needs for spare slots.
 
-    Matrices are read with one gather per slot group (same shape and
-    multipliers) and written back in place; group ``j`` steps with learning
-    rate ``lr * lr_mult_j`` and weight decay ``weight_decay * wd_mult_j``.
-    Returns the new master and momentum shards (the old ones where ``finite``
-    is false) and the sum of squared master changes.
+    Ranks owning fewer matrices of a shape read and write spare slots at the
+    shard's end, in a zero scratch area of the returned size (0: none needed).
     """
     groups = [g for g in buffer.slot_groups if g.bucket == bucket]
     size = buffer.shard_sizes[bucket]
-    delta_sq = jnp.zeros([], master.dtype)
-    # Ranks owning fewer matrices of a shape read and write spare slots in a zero scratch area.
-    spare = any(size in row for g in groups for row in g.offsets)
-    if spare:
-        scratch = max(m * n for m, n in (g.shape for g in groups))
-        extend = lambda x: jnp.concatenate([x, jnp.zeros(scratch, x.dtype)])  # noqa: E731
-        master, momentum, grad = extend(master), extend(momentum), extend(grad)
+    if not any(size in row for g in groups for row in g.offsets):
+        return groups, 0
+    return groups, max(m * n for m, n in (g.shape for g in groups))
+
+
+def _with_scratch(flat: jax.Array, scratch: int) -> jax.Array:
+    return jnp.concatenate([flat, jnp.zeros(scratch, flat.dtype)]) if scratch else flat
+
+
+def _take(flat: jax.Array, offsets: jax.Array, shape: tuple[int, int], transpose: bool) -> jax.Array:
+    """The stack ``[w, m, n]`` of matrices starting at ``offsets`` (``[w, n, m]`` when ``transpose``)."""
+    m, n = shape
+    x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets).reshape(-1, m, n)
+    return jnp.swapaxes(x, -1, -2) if transpose else x
+
+
+def muon_directions(buffer, bucket, momentum, grad, rank, muon_config, transpose) -> list[tuple[jax.Array, jax.Array]]:
+    """Phase 4a of one layer-wise bucket: per slot group, the Muon direction and new momentum of its matrices.
+
+    Reads this rank's matrices with one gather per slot group (same shape and
+    multipliers); needs neither the master weights nor the finite check, so it
+    can run as soon as the bucket's gradient shard has arrived.
+    """
+    groups, scratch = _slot_groups(buffer, bucket)
+    momentum, grad = _with_scratch(momentum, scratch), _with_scratch(grad, scratch)
+    out = []
     for group in groups:
-        m, n = group.shape
         offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
+        out.append(muon_lib.muon_direction(
+            _take(grad, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose),
+            config=muon_config, qkv_split_shapes=group.qkv_split_shapes))
+    return out
 
-        def take(flat, offsets=offsets, m=m, n=n):
-            x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets)
-            x = x.reshape(-1, m, n)
-            return jnp.swapaxes(x, -1, -2) if transpose else x
 
-        old_p, old_m = take(master), take(momentum)
-        new_p, new_m = muon_lib.muon_update(
-            old_p, take(grad), old_m, learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
-            weight_decay=weight_decay * group.wd_mult, config=muon_config, qkv_split_shapes=group.qkv_split_shapes,
-        )
+def muon_apply(buffer, bucket, master, momentum, directions, rank, finite, lr, weight_decay, transpose):
+    """Phase 4b of one layer-wise bucket: apply :func:`muon_directions`' output to the master shard.
+
+    Group ``j`` steps with learning rate ``lr * lr_mult_j`` and weight decay
+    ``weight_decay * wd_mult_j``; matrices are written back in place. Returns
+    the new master and momentum shards (the old ones where ``finite`` is
+    false) and the sum of squared master changes.
+    """
+    groups, scratch = _slot_groups(buffer, bucket)
+    size = buffer.shard_sizes[bucket]
+    master, momentum = _with_scratch(master, scratch), _with_scratch(momentum, scratch)
+    delta_sq = jnp.zeros([], master.dtype)
+    for group, (direction, new_m) in zip(groups, directions):
+        offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
+        old_p, old_m = _take(master, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose)
+        new_p = muon_lib.apply_direction(old_p, direction, learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
+                                         weight_decay=weight_decay * group.wd_mult)
         new_p, new_m = jnp.where(finite, new_p, old_p), jnp.where(finite, new_m, old_m)
         delta_sq += jnp.sum(jnp.square(new_p - old_p))
         if transpose:
@@ -240,9 +271,7 @@ def muon_shard(buffer, bucket, master, momentum, grad, rank, finite, lr, weight_
         for j in range(group.width):
             master = lax.dynamic_update_slice(master, new_p[j].reshape(-1), (offsets[j],))
             momentum = lax.dynamic_update_slice(momentum, new_m[j].reshape(-1), (offsets[j],))
-    if spare:
-        master, momentum = master[:size], momentum[:size]
-    return master, momentum, delta_sq
+    return master[:size], momentum[:size], delta_sq
 
 
 def elementwise_shard(tx, master, tx_state, grad, finite, lr, lr_mult, decay):
