@@ -435,9 +435,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from lwjax.demo.devices import request_cpu_devices
 
     if args.train_step:
-        if args.megatron or args.profile or args.pgle:
-            raise ValueError("--megatron, --profile and --pgle apply to the optimizer step only; drop them with "
-                             "--train-step.")
+        if args.megatron or args.profile or args.pgle or args.pipeline_muon or args.grad_std is not None:
+            raise ValueError("--megatron, --profile, --pgle, --pipeline-muon and --grad-std apply to the optimizer "
+                             "step only; drop them with --train-step.")
     elif (args.seq_len, args.micro_batch, args.remat) != (None, None, False):
         raise ValueError("--seq-len, --micro-batch and --remat apply to --train-step only.")
     request_cpu_devices(max(args.dp))
@@ -450,7 +450,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         ns_precision=args.ns_precision, policy=args.policy, bucket_size=args.bucket_size,
         baselines=args.baselines, megatron_script=args.megatron, profile_dir=args.profile, pgle=args.pgle,
-        grad_std=args.grad_std, pipeline_muon=args.pipeline_muon,
+        grad_std=1e-2 if args.grad_std is None else args.grad_std, pipeline_muon=args.pipeline_muon,
     )
     records = run_bench(config)
     if _emit_records(args, records):
@@ -566,7 +566,7 @@ def _add_bench_parser(subparsers) -> None:
     p.add_argument("--profile", default=None, metavar="DIR", help="trace lwjax steps into DIR and summarise kernels")
     p.add_argument("--pgle", action="store_true",
                    help="compile lwjax's step with profile-guided latency estimates (JAX's PGLE)")
-    p.add_argument("--grad-std", type=float, default=1e-2,
+    p.add_argument("--grad-std", type=float, default=None,
                    help="std of each device's random gradients (default 1e-2: the clip binds every step; "
                         "about 2e-5 keeps the norm below 1); passed on to Megatron")
     p.add_argument("--pipeline-muon", action="store_true",

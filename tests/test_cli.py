@@ -237,3 +237,16 @@ def test_console_script_runs():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
+    """The random gradients' global norm is what --grad-std sets (std * sqrt(N / dp) for the mean), and it is reported."""
+    code = main(["bench", "--workload", "small", "--layers", "1", "--dp", "2", "--iters", "1", "--warmup", "1",
+                 "--no-baselines", "--grad-std", "2e-5", "--pipeline-muon", "--json"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    (record,) = json.loads(out)
+    assert record["contender"] == "lwjax" and record["pipeline_muon"] and record["step_ms"] > 0
+    assert record["grad_norm"] == pytest.approx(2e-5 * (record["params"] / 2) ** 0.5, rel=0.02)
+    assert main(["bench", "--grad-std", "0"]) == 2
+    assert capsys.readouterr().err.startswith("lwjax bench: BenchConfig.grad_std must be positive; got 0.0.")

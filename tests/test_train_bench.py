@@ -244,7 +244,8 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ("bench --seq-len 16", "lwjax bench: --seq-len, --micro-batch and --remat apply to --train-step only."),
-    ("bench --train-step --profile /tmp/x", "lwjax bench: --megatron, --profile and --pgle apply to the optimizer step only"),
+    ("bench --train-step --profile /tmp/x", "lwjax bench: --megatron, --profile, --pgle, --pipeline-muon and --grad-std "
+                                            "apply to the optimizer step only"),
     ("bench --train-step --micro-batch 0", "lwjax bench: TrainBenchConfig.micro_batch must be >= 1; got 0."),
 ], ids=["seq_len_without_train_step", "profile_with_train_step", "micro_batch_zero"])
 def test_cli_train_step_user_errors(argv, message, capsys):
