@@ -450,7 +450,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         ns_precision=args.ns_precision, policy=args.policy, bucket_size=args.bucket_size,
         baselines=args.baselines, megatron_script=args.megatron, profile_dir=args.profile, pgle=args.pgle,
-        grad_std=1e-2 if args.grad_std is None else args.grad_std, pipeline_muon=args.pipeline_muon,
+        grad_std=BenchConfig.grad_std if args.grad_std is None else args.grad_std, pipeline_muon=args.pipeline_muon,
     )
     records = run_bench(config)
     if _emit_records(args, records):
@@ -458,7 +458,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     first = records[0]
     table = _table(
         f"Optimizer step, {first['workload']} workload ({first['layers']} layers, {_count(first['params'])} params) "
-        f"on {first['device']}, jax {first['jax']}, gradient norm {first['grad_norm']:.3g} (clip 1.0)",
+        f"on {first['device']}, jax {first['jax']}; gradient norm (clip 1.0) "
+        + ", ".join(f"{r['grad_norm']:.3g} at dp {r['dp']}" for r in records if r["contender"] == "lwjax"),
         ["contender", "dp", "step ms", "vs lwjax", "state bytes / device"],
     )
     lwjax_ms = {r["dp"]: r["step_ms"] for r in records if r["contender"] == "lwjax"}
@@ -567,8 +568,8 @@ def _add_bench_parser(subparsers) -> None:
     p.add_argument("--pgle", action="store_true",
                    help="compile lwjax's step with profile-guided latency estimates (JAX's PGLE)")
     p.add_argument("--grad-std", type=float, default=None,
-                   help="std of each device's random gradients (default 1e-2: the clip binds every step; "
-                        "about 2e-5 keeps the norm below 1); passed on to Megatron")
+                   help="std of each device's random gradients (default 1e-2: the clip binds every step); the mean "
+                        "gradient's norm is about std*sqrt(params/dp), reported; passed on to Megatron")
     p.add_argument("--pipeline-muon", action="store_true",
                    help="lwjax's Newton-Schulz overlaps the reduce-scatters, speculating that clipping does not bind "
                         "(OptimizerConfig.pipeline_muon)")

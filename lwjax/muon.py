@@ -93,6 +93,15 @@ def _check_matrix(where: str, name: str, x: jax.Array) -> None:
         raise TypeError(f"{where}: {name} must have a floating dtype; got {x.dtype=}.")
 
 
+def _check_same_matrices(where: str, **arrays: jax.Array) -> None:
+    """Each array a floating ``[..., m, n]`` stack, all of one shape."""
+    for name, x in arrays.items():
+        _check_matrix(where, name, x)
+    if len({x.shape for x in arrays.values()}) > 1:
+        shapes = ", ".join(f"{name}.shape={x.shape}" for name, x in arrays.items())
+        raise ValueError(f"{where}: {', '.join(arrays)} must share a shape; got {shapes}.")
+
+
 def _coefficient_schedule(coefficient_type: str, num_ns_steps: int) -> tuple[tuple[float, ...], ...]:
     """Expand a named coefficient table to one (a, b, c) triple per step."""
     table = COEFFICIENT_SETS[coefficient_type]
@@ -460,13 +469,7 @@ def muon_update(
     """
     if not isinstance(config, MuonConfig):
         raise TypeError(f"muon_update: config must be a MuonConfig, but got {type(config).__name__}.")
-    for name, arr in (("param", param), ("grad", grad), ("momentum", momentum)):
-        _check_matrix("muon_update", name, arr)
-    if not param.shape == grad.shape == momentum.shape:
-        raise ValueError(
-            "muon_update: param, grad and momentum must share a shape; "
-            f"got {param.shape=}, {grad.shape=}, {momentum.shape=}."
-        )
+    _check_same_matrices("muon_update", param=param, grad=grad, momentum=momentum)
     direction, momentum = muon_direction(grad, momentum, config=config, qkv_split_shapes=qkv_split_shapes)
     return apply_direction(param, direction, learning_rate=learning_rate, weight_decay=weight_decay), momentum
 
@@ -487,7 +490,13 @@ def muon_direction(
 
     Returns:
       ``(direction, new_momentum)``; the direction in ``momentum``'s dtype.
+
+    Raises:
+      TypeError, ValueError: As :func:`muon_update`.
     """
+    if not isinstance(config, MuonConfig):
+        raise TypeError(f"muon_direction: config must be a MuonConfig, but got {type(config).__name__}.")
+    _check_same_matrices("muon_direction", grad=grad, momentum=momentum)
     beta = config.momentum
     momentum = _lerp(momentum, grad, 1.0 - beta)
     update = _lerp(grad, momentum, beta) if config.nesterov else momentum
@@ -513,7 +522,11 @@ def apply_direction(
     r"""The other half: decoupled weight decay, then the step, :math:`P \leftarrow P - \eta\lambda P - \eta O`.
 
     Decay is skipped when it is a literal zero, as Megatron does. Returns ``param``'s dtype.
+
+    Raises:
+      TypeError, ValueError: As :func:`muon_update`.
     """
+    _check_same_matrices("apply_direction", param=param, direction=direction)
     new = param
     if not (isinstance(weight_decay, numbers.Real) and weight_decay == 0):
         new = new - (learning_rate * weight_decay) * new

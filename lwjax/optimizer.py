@@ -86,13 +86,14 @@ class OptimizerConfig:
       pipeline_muon: Start each layer-wise bucket's Muon direction (momentum,
         Newton–Schulz) as soon as its gradient shard arrives, so Newton–Schulz
         overlaps the remaining reduce-scatters. Exact without clipping. With
-        clipping it speculates that no clip coefficient is below 1: after the
-        norm, one ``lax.cond`` keeps those results or recomputes the
-        layer-wise buckets with the clipped gradients (the same arithmetic
-        either way), so a step that clips does the layer-wise work twice, and
-        the old layer-wise masters and momenta stay in memory until the step
-        ends. It pays off under XLA's profile-guided scheduling (PGLE) while
-        clipping rarely binds; see ``docs/benchmarks.md``.
+        clipping it speculates that no Muon matrix's clip coefficient is below
+        1: after the norm, one ``lax.cond`` keeps those results or recomputes
+        the layer-wise buckets with the clipped gradients
+        (``metrics["recomputed"]``), so the result is the serial step's up to
+        rounding either way, but a step that clips does the layer-wise work
+        twice, and the old layer-wise masters and momenta stay in memory until
+        the step ends. It pays off under XLA's profile-guided scheduling
+        (PGLE) while clipping rarely binds; see ``docs/benchmarks.md``.
     """
 
     weight_decay: float = 0.01
@@ -325,6 +326,7 @@ def layerwise_muon(
         )(params)
 
     layer_wise_steps = [s for s in schedule.steps if s.layer_wise]
+    muon_groups = sorted({group_of[leaf] for leaf, r in enumerate(plan.routes) if r.is_muon})
 
     def update_bucket(i: int, k: int, master, moments, grad, directions, rank, finite, lr_m, lr_a):
         """Phase 4 for one bucket: this device's new master shard and optimizer state.
@@ -402,11 +404,11 @@ def layerwise_muon(
         return directions
 
     def redo_if_clipped(results, state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
-        """Keep the speculative layer-wise results where no clip coefficient is below 1, else recompute them.
+        """Keep the speculative layer-wise results if no Muon matrix's clip coefficient is below 1, else recompute them.
 
         One ``lax.cond`` after the step's last collective picks the branch; the
         speculative results pass through a barrier with the predicate so XLA
-        cannot sink their computation into the branch.
+        cannot sink their computation into the branch. Also returns whether it recomputed.
         """
         keys = [(s.buffer, s.bucket) for s in layer_wise_steps]
         pick = lambda masters, moments, gathered, delta_sq: [  # noqa: E731
@@ -415,11 +417,11 @@ def layerwise_muon(
         def recompute(_):
             return pick(*update_and_gather(state, shards, ranks, norm_groups, coefs, finite, layer_wise_only=True))
 
-        exact, speculative = lax.optimization_barrier((jnp.all(coefs == 1), pick(*results)))
+        exact, speculative = lax.optimization_barrier((jnp.all(coefs[np.asarray(muon_groups)] == 1), pick(*results)))
         masters, moments, gathered, delta_sq = results
         for (i, k), new in zip(keys, lax.cond(exact, lambda x: x, recompute, speculative)):
             masters[i][k], moments[i][k], gathered[i][k], delta_sq[i, k] = new
-        return masters, moments, gathered, delta_sq
+        return (masters, moments, gathered, delta_sq), jnp.logical_not(exact)
 
     def update(grads, state: LayerwiseState, params):
         check_tree(plan, grads, "update(grads)")
@@ -440,8 +442,9 @@ def layerwise_muon(
         coefs = step_lib.clip_coefficients(norms, config.clip_grad)
         # 4-5. Update each bucket and gather it, in the schedule's order.
         results = update_and_gather(state, shards, ranks, norm_groups, coefs, finite, directions)
-        if config.pipeline_muon and config.clip_grad:
-            results = redo_if_clipped(results, state, shards, ranks, norm_groups, coefs, finite)
+        speculated = config.pipeline_muon and config.clip_grad and layer_wise_steps
+        if speculated:
+            results, recomputed = redo_if_clipped(results, state, shards, ranks, norm_groups, coefs, finite)
         masters, moments, gathered, delta_sq = results
         new_state = LayerwiseState(
             jnp.where(finite, state.count + 1, state.count),
@@ -462,6 +465,8 @@ def layerwise_muon(
         for g, name in enumerate(groups[1:], start=1):
             metrics[f"grad_norm/{name}"] = norms[g]
             metrics[f"clip_coef/{name}"] = coefs[g]
+        if speculated:
+            metrics["recomputed"] = recomputed
         return new_params, new_state, metrics
 
     return LayerwiseOptimizer(plan=plan, mesh=mesh, axis=axis, init=init, update=update, state_specs=state_specs,

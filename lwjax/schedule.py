@@ -54,19 +54,19 @@ class BucketStep:
 
     Attributes:
       buffer, bucket: Which bucket (indices into ``plan.buffers`` and its buckets).
+      layer_wise: Whether the bucket holds Muon matrices.
       update_s: Estimated time of the update of one shard.
       gather_s: Estimated time of the bucket's all-gather.
       gathered_during: Position (in the schedule) of the later update that
         runs while this bucket is gathered, or ``None``: after the last update.
-      layer_wise: Whether the bucket holds Muon matrices.
     """
 
     buffer: int
     bucket: int
+    layer_wise: bool
     update_s: float
     gather_s: float
     gathered_during: int | None = None
-    layer_wise: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _estimates(plan: ParamPlan, num_ns_steps: int, transpose: bool, split_qkv: b
             else:
                 update_s = size * ELEMENTWISE_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S
             gather_s = size * (buffer.dp - 1) * itemsize / BUS_BYTES_PER_S
-            steps.append(BucketStep(i, k, update_s, gather_s, layer_wise=buffer.key.is_layer_wise))
+            steps.append(BucketStep(i, k, buffer.key.is_layer_wise, update_s, gather_s))
     return steps
 
 
@@ -135,8 +135,8 @@ def schedule_buckets(plan: ParamPlan, *, num_ns_steps: int = DEFAULT_NUM_NS_STEP
       A :class:`BucketSchedule` holding every bucket once.
     """
     steps = _estimates(plan, num_ns_steps, transpose, split_qkv)
-    elementwise = [s for s in steps if not plan.buffers[s.buffer].key.is_layer_wise]
-    layer_wise = sorted((s for s in steps if plan.buffers[s.buffer].key.is_layer_wise), key=lambda s: -s.update_s)
+    elementwise = [s for s in steps if not s.layer_wise]
+    layer_wise = sorted((s for s in steps if s.layer_wise), key=lambda s: -s.update_s)
     order = []
     for e in range(max(len(elementwise), len(layer_wise))):
         order += elementwise[e : e + 1] + layer_wise[e : e + 1]

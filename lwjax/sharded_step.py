@@ -145,8 +145,8 @@ def per_element(buffer: BufferPlan, bucket: int, rank, value_of: Sequence, dtype
 def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype, order=None) -> list[list[jax.Array]]:
     """Phases 1–2: pack local gradients divided by ``dp * ep``, reduce-scatter each bucket over its axes.
 
-    ``order`` lists ``(buffer, bucket)`` pairs in the order the collectives
-    are issued (default: buffer by buffer). Returns, per buffer and bucket,
+    ``order`` lists ``(buffer, bucket)`` pairs in program order (default:
+    buffer by buffer); XLA's scheduler may still run them in another. Returns, per buffer and bucket,
     this device's summed shard in ``dtype``.
     """
     packed = pack(plan, jax.tree.map(lambda g: g.astype(dtype) / axes.num_data, grads),

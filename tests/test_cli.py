@@ -250,3 +250,24 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     assert record["grad_norm"] == pytest.approx(2e-5 * (record["params"] / 2) ** 0.5, rel=0.02)
     assert main(["bench", "--grad-std", "0"]) == 2
     assert capsys.readouterr().err.startswith("lwjax bench: BenchConfig.grad_std must be positive; got 0.0.")
+
+
+def test_bench_builds_the_pipelined_optimizer_it_reports():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from lwjax import bench
+
+    shapes, split = bench.workload_shapes("small", 1)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    params = bench._params(shapes, mesh, jax.numpy.float32)
+    grads = bench._local_grads(shapes, mesh, jax.numpy.float32, 2e-5)
+    for pipelined in (False, True):
+        opt = bench.workload_optimizer(params, mesh, split, ns_precision="highest", grad_reduce_in_fp32=True,
+                                       policy="ns_cost", bucket_size="auto", pipeline_muon=pipelined)
+        metrics = jax.eval_shape(jax.shard_map(lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[2],
+                                               mesh=mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=P(),
+                                               check_vma=False), params, opt.init(params), grads)
+        assert ("recomputed" in metrics) == pipelined  # the speculation's own metric

@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -77,14 +78,16 @@ def test_scanned_and_unrolled_gpt_train_identically_at_dp4():
     assert moved > 1e-3  # the parameters really trained
 
 
-def test_fused_qkv_split_in_sharded_step_matches_per_piece_muon():
+@pytest.mark.parametrize("pipeline_muon", [False, True])
+def test_fused_qkv_split_in_sharded_step_matches_per_piece_muon(pipeline_muon):
     """flax kernels are [in, out]; the step must split q/k/v along the *output* features."""
     config = dataclasses.replace(CONFIG, num_layers=1, tied_embedding=True)  # (the untied head starts at zero)
     params, loss_fn = split(config)
     batch = next(batches(1))
     lr = 0.05
     opt = lwjax.layerwise_muon(params, mesh_of(4), learning_rate=lr, muon=EXACT,
-                               config=lwjax.OptimizerConfig(weight_decay=0.0, clip_grad=None),
+                               config=lwjax.OptimizerConfig(weight_decay=0.0, clip_grad=None,
+                                                            pipeline_muon=pipeline_muon),
                                **lwjax_routing(config))
     assert {r.path: r.qkv_split_shapes for r in opt.plan.routes}["blocks/0/attn/qkv/kernel"] == (16, 8, 8)
     kernel = params["blocks"][0]["attn"]["qkv"]["kernel"][...]

@@ -81,9 +81,10 @@ def mesh_of(dp, ep):
 
 
 @functools.cache
-def trained(dp, ep, param_sync="all_gather"):
+def trained(dp, ep, param_sync="all_gather", pipeline_muon=False):
     params = moe_params()
-    config = OptimizerConfig(weight_decay=CONFIG.weight_decay, clip_grad=CONFIG.clip_grad, param_sync=param_sync)
+    config = OptimizerConfig(weight_decay=CONFIG.weight_decay, clip_grad=CONFIG.clip_grad, param_sync=param_sync,
+                             pipeline_muon=pipeline_muon)
     opt = layerwise_muon(params, mesh_of(dp, ep), expert_axis="ep", learning_rate=LR, muon=MUON, config=config,
                          elementwise=optax.scale_by_adam(*ADAM), bucket_size=1500, **ROUTING)
     step = make_train_step(functools.partial(moe_loss, ep_axis="ep"), opt, donate=False)
@@ -129,6 +130,16 @@ def test_moe_at_dp_x_ep_matches_unsharded_reference(dp, ep):
     # from_logical inverts to_logical, expert buckets included.
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(from_logical(opt, logical))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pipelined_step_is_the_serial_step_with_experts():
+    opt, params, state, metrics = trained(4, 2, pipeline_muon=True)
+    _, want_params, want_state, want_metrics = trained(4, 2)
+    assert "recomputed" in metrics[0]
+    _assert_close(params, want_params, "params")
+    _assert_close(state, want_state, "state")
+    for m, w in zip(metrics, want_metrics):
+        np.testing.assert_allclose(m["grad_norm"], w["grad_norm"], rtol=1e-6)
 
 
 def test_broadcast_param_sync_is_bitwise_the_all_gather():

@@ -19,7 +19,9 @@ from lwjax.muon import (
     PRECISIONS,
     SCALE_MODES,
     MuonConfig,
+    apply_direction,
     get_muon_scale_factor,
+    muon_direction,
     muon_update,
     newton_schulz,
     orthogonalize,
@@ -400,10 +402,15 @@ _X = jnp.ones((4, 6))
          r"muon_update: config must be a MuonConfig"),
         (lambda: muon_update(_X, _X.T, _X, learning_rate=1.0, weight_decay=0.0, config=MuonConfig()), ValueError,
          r"muon_update: .*grad.shape=\(6, 4\)"),
+        (lambda: muon_direction(_X, _X, config=None), TypeError, r"muon_direction: config must be a MuonConfig"),
+        (lambda: muon_direction(_X, _X[:3], config=MuonConfig()), ValueError,
+         r"muon_direction: grad, momentum must share a shape; .*momentum.shape=\(3, 6\)"),
+        (lambda: apply_direction(_X, jnp.ones(6), learning_rate=1.0, weight_decay=0.0), ValueError,
+         r"apply_direction: direction must have rank >= 2"),
     ],
     ids=["ns_coefficient_type", "ns_steps_zero", "ns_steps_float", "ns_rank1", "ns_int_dtype", "ns_precision",
          "ns_eps", "scale_mode", "scale_size", "orth_scale_mode", "orth_split_zero", "orth_split_int",
-         "update_config", "update_shapes"],
+         "update_config", "update_shapes", "direction_config", "direction_shapes", "apply_rank1"],
 )
 def test_bad_arguments_raise_naming_the_argument(call, error, pattern):
     with pytest.raises(error, match=pattern):

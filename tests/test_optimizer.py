@@ -284,45 +284,71 @@ def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelin
         assert gathers[during][0] < landed[j] < gathers[during + 1][0]
 
 
-def _serial_and_pipelined(params, grads, clip_grad=1.0):
+def _serial_and_pipelined(params, grads, clip_grad=1.0, **routing):
     """The same steps with the serial and the pipelined step."""
     out = []
     for pipelined in (False, True):
         config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipelined)
-        opt = layerwise_muon(params, mesh_of(4), learning_rate=LR, muon=MUON, config=config, bucket_size=2000)
+        opt = layerwise_muon(params, mesh_of(4), learning_rate=LR, muon=MUON, config=config, bucket_size=2000,
+                             **routing)
         out.append((opt, *run_sharded(opt, params, grads)))
     return out
 
 
-@pytest.mark.parametrize("scale", [1e-3, 1.0], ids=["clip_not_binding", "clip_binding"])
-def test_pipelined_step_equals_the_serial_step(scale):
+def _assert_same_steps(a, b):
+    """The same state and parameters up to rounding: XLA may fuse (and so sum) a reduction differently."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6 * np.max(np.abs(x)))
+
+
+def _scaled(grads, scale_of):
+    return [[{k: jax.tree.map(lambda g: g * np.float32(scale_of(k)), v) for k, v in d.items()} for d in step]
+            for step in grads]
+
+
+# The toy's mean gradient has norm ~52 at scale 1. Each case: (scale per top-level key, norm groups,
+# whether the speculation fails and the layer-wise buckets are recomputed).
+SPECULATION_CASES = {
+    "clip_not_binding": (lambda k: 1e-3, {}, False),
+    "clip_binding": (lambda k: 1.0, {}, True),
+    "only_a_muon_group_clips": (lambda k: 1.0 if k == "layer3" else 1e-3, {"layer3/*": "mtp"}, True),
+    "only_an_elementwise_group_clips": (lambda k: 1.0 if k == "head" else 1e-3, {"head/*": "out"}, False),
+}
+
+
+@pytest.mark.parametrize("case", SPECULATION_CASES)
+def test_pipelined_step_equals_the_serial_step(case):
+    scale_of, norm_groups, recomputed = SPECULATION_CASES[case]
     params = toy_params()
-    grads = [[jax.tree.map(lambda g: g * np.float32(scale), d) for d in step] for step in random_grads(params, 4, 3)]
-    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads)
-    assert (float(m0["clip_coef"]) == 1.0) == (scale < 1)  # both branches of the speculation are taken
-    for x, y in zip(jax.tree.leaves((p0, s0, m0)), jax.tree.leaves((p1, s1, m1))):
-        if scale < 1:  # kept: the same arithmetic, but XLA may fuse (and so sum) a reduction differently
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6 * np.max(np.abs(x)))
-        else:  # recomputed by the serial code
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON)
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
-        assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
+    grads = _scaled(random_grads(params, 4, 3), scale_of)
+    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, grad_norm_group=norm_groups)
+    assert bool(m1.pop("recomputed")) == recomputed
+    assert (min(float(v) for k, v in m0.items() if k.startswith("clip_coef")) < 1) == (case != "clip_not_binding")
+    _assert_same_steps((p0, s0, m0), (p1, s1, m1))
+    if not norm_groups:
+        want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON)
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
+            assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
 
-def test_pipelined_step_without_clipping_matches_reference_and_skips_nonfinite():
+@pytest.mark.parametrize("clip_grad", [1.0, None])
+def test_pipelined_step_skips_nonfinite_gradients(clip_grad):
+    params = toy_params()
+    grads = _scaled(random_grads(params, 4, steps=2, seed=5), lambda k: 1e-3)
+    grads[1][2]["layer1"]["up"][0, 0] = np.inf
+    (_, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=clip_grad)
+    assert bool(m0["skipped"]) and bool(m1["skipped"])
+    _assert_same_steps((p0, s0), (p1, s1))
+    (_, p2, s2, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
+    _assert_same_steps((p1, s1), (p2, s2))  # the skipped step changed nothing
+
+
+def test_pipelined_step_without_clipping_matches_reference():
     params = toy_params()
     grads = random_grads(params, 4, steps=3)
-    (opt, p0, s0, _), (_, p1, s1, _) = _serial_and_pipelined(params, grads, clip_grad=None)
-    for x, y in zip(jax.tree.leaves((p0, s0)), jax.tree.leaves((p1, s1))):  # see the test above
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6 * np.max(np.abs(x)))
+    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=None)
+    assert "recomputed" not in m1  # nothing to speculate on
+    _assert_same_steps((p0, s0), (p1, s1))
     want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=None, muon_config=MUON)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
-    bad = random_grads(params, 4, steps=1, seed=5)
-    bad[0][2]["layer1"]["up"][0, 0] = np.inf
-    p2, s2, metrics = run_sharded(opt, params, grads[:1] + bad)
-    p3, s3, _ = run_sharded(opt, params, grads[:1])
-    assert bool(metrics["skipped"])
-    for x, y in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((p3, s3))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
