@@ -368,11 +368,11 @@ def layerwise_muon(
         delta_sq, previous, landed = {}, (), set()
         for t, step in enumerate(schedule.steps):
             i, k = step.buffer, step.bucket
-            if layer_wise_only and not plan.buffers[i].key.is_layer_wise:
+            if layer_wise_only and not step.layer_wise:
                 continue
             due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.due_before(t)]
             due = [(a, b) for a, b in due if gathered[a][b] is not None and (a, b) not in landed]
-            own = directions[i, k] if directions is not None and (i, k) in directions else None
+            own = (directions or {}).get((i, k))
             (master, moment, grad, own), _, arrived = lax.optimization_barrier(
                 ((masters[i][k], moments[i][k], shards[i][k], own), previous, [gathered[a][b] for a, b in due]))
             for (a, b), x in zip(due, arrived):
