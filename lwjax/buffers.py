@@ -36,6 +36,13 @@ from lwjax.layout import BufferKey, FullParamLayout, PerBufferParamLayout
 from lwjax.policies import DEFAULT_POLICY, LayoutPolicy, compute_full_param_layout
 from lwjax.routing import LeafRoute, param_specs, route_leaves
 
+# How :func:`pack` builds a bucket: one concatenate of its pieces (gaps, and runs of
+# one stacked leaf's rows) when it has at most this many, else piece by piece into
+# a zeroed array, which writes the bucket twice. XLA's concatenate runs near memory
+# bandwidth for a few operands and far below it for many (measured on H200:
+# docs/benchmarks.md).
+MAX_CONCAT_OPERANDS = 8
+
 Buckets = tuple[jax.Array | None, ...]
 
 
@@ -300,15 +307,44 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[Buckets
         if dtype is None:
             out.append(None)
             continue
-        # Each parameter is written into a zeroed bucket in place; XLA turns this into
-        # one copy kernel per parameter, where a many-operand concatenate runs far
-        # below memory bandwidth on GPU.
-        buckets = [jnp.zeros(buffer.dp * size, dtype) for size in buffer.shard_sizes]
-        for seg in buffer.segments:
-            run = leaves[seg.leaf][seg.leaf_offset : seg.leaf_offset + seg.numel].astype(dtype)
-            buckets[seg.bucket] = lax.dynamic_update_slice(buckets[seg.bucket], run, (seg.offset,))
+        buckets = []
+        for k, size in enumerate(buffer.shard_sizes):
+            segments = sorted((s for s in buffer.segments if s.bucket == k), key=lambda s: s.offset)
+            pieces = _pieces(segments, buffer.dp * size)
+            if 0 < len(pieces) <= MAX_CONCAT_OPERANDS:
+                buckets.append(jnp.concatenate([
+                    jnp.zeros(p, dtype) if isinstance(p, int) else _read_run(leaves, p).astype(dtype) for p in pieces]))
+                continue
+            bucket = jnp.zeros(buffer.dp * size, dtype)
+            for run in (p for p in pieces if not isinstance(p, int)):
+                bucket = lax.dynamic_update_slice(bucket, _read_run(leaves, run).astype(dtype), (run[0].offset,))
+            buckets.append(bucket)
         out.append(tuple(buckets))
     return tuple(out)
+
+
+def _pieces(segments: list[Segment], size: int) -> list[list[Segment] | int]:
+    """A bucket of ``size`` elements front to back: gap lengths, and runs of back-to-back segments of one leaf.
+
+    ``segments`` are the bucket's, sorted by offset. The segments of a run have
+    the same size (rows of a stacked leaf), so :func:`_read_run` reads a run as one block.
+    """
+    pieces, cursor = [], 0
+    for seg in segments:
+        if seg.offset > cursor:
+            pieces.append(seg.offset - cursor)
+        last = pieces[-1] if pieces and cursor == seg.offset else None
+        if isinstance(last, list) and last[-1].leaf == seg.leaf and last[-1].numel == seg.numel:
+            last.append(seg)
+        else:
+            pieces.append([seg])
+        cursor = seg.offset + seg.numel
+    return pieces + [size - cursor] if size > cursor else pieces
+
+
+def _read_run(leaves: list[jax.Array], run: list[Segment]) -> jax.Array:
+    """The flat elements of a run of one leaf's segments, in bucket order."""
+    return _read_rows(leaves[run[0].leaf], [seg.leaf_offset for seg in run], run[0].numel).reshape(-1)
 
 
 def unpack(plan: ParamPlan, buffers: Sequence[Buckets | None], dtypes: Sequence | None = None):

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwjax.buffers import _read_rows, make_plan, pack, unpack
+from lwjax import buffers as buffers_lib
+from lwjax.buffers import _pieces, _read_rows, make_plan, pack, unpack
 from lwjax.policies import POLICIES
 
 
@@ -35,9 +36,11 @@ def test_read_rows_slices_back_to_back_rows_and_gathers_the_rest(starts, ops):
     assert {op for op in ("slice", "rev", "gather") if f" {op}[" in jaxpr} == ops
 
 
+@pytest.mark.parametrize("max_concat", [0, buffers_lib.MAX_CONCAT_OPERANDS, 10**6], ids=["dus", "default", "concat"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("dp", [1, 3, 4, 8])
-def test_pack_unpack_round_trip(policy, dp):
+def test_pack_unpack_round_trip(policy, dp, max_concat, monkeypatch):
+    monkeypatch.setattr(buffers_lib, "MAX_CONCAT_OPERANDS", max_concat)
     params = stacked_params()
     plan = make_plan(params, dp, policy=policy, bucket_size=300, stacked=STACK)
     buffers = pack(plan, params)
@@ -85,6 +88,21 @@ def test_rank_blocks_hold_exactly_the_owned_matrices(policy, dp):
             spare = group.offsets[rank][len(group.names[rank]) :]
             assert all(o == size for o in spare)
     assert sorted(seen) == sorted(buffer.layout.param_index_map)
+
+
+def test_pack_writes_a_bucket_of_few_pieces_in_one_concatenate(monkeypatch):
+    params = stacked_params()
+    plan = make_plan(params, 4, bucket_size=300, stacked=STACK)
+    pieces = [_pieces(sorted((s for s in b.segments if s.bucket == k), key=lambda s: s.offset), b.dp * size)
+              for b in plan.buffers for k, size in enumerate(b.shard_sizes)]
+    counts = [len(p) for p in pieces]
+    # Back-to-back rows of one stacked leaf are one piece: fewer runs than segments.
+    assert sum(not isinstance(x, int) for p in pieces for x in p) < sum(len(b.segments) for b in plan.buffers)
+    for limit in (0, max(counts)):
+        monkeypatch.setattr(buffers_lib, "MAX_CONCAT_OPERANDS", limit)
+        jaxpr = str(jax.make_jaxpr(lambda p: pack(plan, p))(params))
+        assert jaxpr.count(" concatenate[") == (len(counts) if limit else 0)
+        assert ("= dynamic_update_slice " in jaxpr) == (limit == 0)
 
 
 def test_pack_casts_and_is_jittable():
