@@ -271,3 +271,32 @@ def test_bench_builds_the_pipelined_optimizer_it_reports():
                                                mesh=mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=P(),
                                                check_vma=False), params, opt.init(params), grads)
         assert ("recomputed" in metrics) == pipelined  # the speculation's own metric
+
+
+def test_bench_floor_matmul_rate_is_one_products_rate():
+    """The floor times a chain of products per call; its rate is per product, as one timed product's is."""
+    import time
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from lwjax import bench
+
+    shapes, split = bench.workload_shapes("small", 1)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    params = bench._params(shapes, mesh, jax.numpy.float32)
+    opt = bench.workload_optimizer(params, mesh, split, ns_precision="medium", grad_reduce_in_fp32=True,
+                                   policy="ns_cost", bucket_size="auto")
+    floor = bench._floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
+    a = jax.numpy.ones((1024, 1024), jax.numpy.bfloat16)
+    product = jax.jit(lambda x: x @ x)
+    product(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        product(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    one = 2 * 1024**3 / min(times) / 1e12
+    assert 1 / 3 < floor["matmul_tflops"] / one < 3
+    assert floor["ns_ms"] == pytest.approx(floor["ns_gflop_max_rank"] / floor["matmul_tflops"], rel=1e-6)
