@@ -87,13 +87,12 @@ class OptimizerConfig:
         Newton–Schulz) as soon as its gradient shard arrives, so Newton–Schulz
         overlaps the remaining reduce-scatters. Exact without clipping. With
         clipping it speculates that no Muon matrix's clip coefficient is below
-        1: after the norm, one ``lax.cond`` keeps those results or recomputes
-        the layer-wise buckets with the clipped gradients
-        (``metrics["recomputed"]``), so the result is the serial step's up to
-        rounding either way, but a step that clips does the layer-wise work
-        twice, and the old layer-wise masters and momenta stay in memory until
-        the step ends. It pays off under XLA's profile-guided scheduling
-        (PGLE) while clipping rarely binds; see ``docs/benchmarks.md``.
+        1: after the norm, the directions are kept or computed again from the
+        clipped gradients (``metrics["recomputed"]``), so the result is the
+        serial step's up to rounding either way, but a step that clips runs
+        momentum and Newton–Schulz twice. It pays off under XLA's
+        profile-guided scheduling (PGLE) while clipping rarely binds; see
+        ``docs/benchmarks.md``.
     """
 
     weight_decay: float = 0.01
@@ -349,16 +348,14 @@ def layerwise_muon(
         new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)
         return new_master, new_tx_state, jnp.sum(jnp.square(new_master - master))
 
-    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite, directions=None,
-                          layer_wise_only=False):
+    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite, directions=None):
         """Phases 4-5 bucket by bucket in the schedule's order: new masters, moments and gathered buckets.
 
         One optimization barrier per bucket pins the order and makes the
         gathers due by then land first, so each gather runs during the later
         update the schedule chose for it rather than after the last one.
         ``directions`` maps ``(buffer, bucket)`` to precomputed Muon
-        directions; ``layer_wise_only`` skips elementwise buckets (left
-        ``None``). Also returns each updated bucket's sum of squared master changes.
+        directions. Also returns each bucket's sum of squared master changes.
         """
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters = [list(b) for b in state.masters]
@@ -368,8 +365,6 @@ def layerwise_muon(
         delta_sq, previous, landed = {}, (), set()
         for t, step in enumerate(schedule.steps):
             i, k = step.buffer, step.bucket
-            if layer_wise_only and not step.layer_wise:
-                continue
             due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.due_before(t)]
             due = [(a, b) for a, b in due if gathered[a][b] is not None and (a, b) not in landed]
             own = (directions or {}).get((i, k))
@@ -403,25 +398,25 @@ def layerwise_muon(
                                                                    transpose)
         return directions
 
-    def redo_if_clipped(results, state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
-        """Keep the speculative layer-wise results if no Muon matrix's clip coefficient is below 1, else recompute them.
+    def redo_if_clipped(directions, state: LayerwiseState, shards, ranks, norm_groups, coefs):
+        """The speculative directions if no Muon matrix's clip coefficient is below 1, else those of the clipped gradients.
 
-        One ``lax.cond`` after the step's last collective picks the branch; the
-        speculative results pass through a barrier with the predicate so XLA
-        cannot sink their computation into the branch. Also returns whether it recomputed.
+        Each bucket's recomputation is the body of its own ``while_loop`` that
+        runs at most once: a loop's carry is updated in place, where a
+        ``lax.cond`` would copy every direction it passes through, and a loop
+        per bucket lets each bucket's update and gather start without waiting
+        for every other bucket's Newton–Schulz. Also returns whether it recomputed.
         """
-        keys = [(s.buffer, s.bucket) for s in layer_wise_steps]
-        pick = lambda masters, moments, gathered, delta_sq: [  # noqa: E731
-            (masters[i][k], moments[i][k], gathered[i][k], delta_sq[i, k]) for i, k in keys]
+        clipped = jnp.logical_not(jnp.all(coefs[np.asarray(muon_groups)] == 1))
+        out = {}
+        for (i, k), speculative in directions.items():
+            def recompute(_, i=i, k=k):
+                grad = step_lib.clip_shard(shards[i][k], norm_groups[i][k], coefs)
+                return False, step_lib.muon_directions(plan.buffers[i], k, state.momenta[i][k], grad, ranks[i], muon,
+                                                       transpose)
 
-        def recompute(_):
-            return pick(*update_and_gather(state, shards, ranks, norm_groups, coefs, finite, layer_wise_only=True))
-
-        exact, speculative = lax.optimization_barrier((jnp.all(coefs[np.asarray(muon_groups)] == 1), pick(*results)))
-        masters, moments, gathered, delta_sq = results
-        for (i, k), new in zip(keys, lax.cond(exact, lambda x: x, recompute, speculative)):
-            masters[i][k], moments[i][k], gathered[i][k], delta_sq[i, k] = new
-        return (masters, moments, gathered, delta_sq), jnp.logical_not(exact)
+            _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (clipped, speculative))
+        return out, clipped
 
     def update(grads, state: LayerwiseState, params):
         check_tree(plan, grads, "update(grads)")
@@ -440,12 +435,12 @@ def layerwise_muon(
         norms = jnp.sqrt(sq_sums)
         finite = jnp.all(jnp.isfinite(norms))
         coefs = step_lib.clip_coefficients(norms, config.clip_grad)
-        # 4-5. Update each bucket and gather it, in the schedule's order.
-        results = update_and_gather(state, shards, ranks, norm_groups, coefs, finite, directions)
         speculated = config.pipeline_muon and config.clip_grad and layer_wise_steps
         if speculated:
-            results, recomputed = redo_if_clipped(results, state, shards, ranks, norm_groups, coefs, finite)
-        masters, moments, gathered, delta_sq = results
+            directions, recomputed = redo_if_clipped(directions, state, shards, ranks, norm_groups, coefs)
+        # 4-5. Update each bucket and gather it, in the schedule's order.
+        masters, moments, gathered, delta_sq = update_and_gather(state, shards, ranks, norm_groups, coefs, finite,
+                                                                 directions)
         new_state = LayerwiseState(
             jnp.where(finite, state.count + 1, state.count),
             tuple(tuple(m) for m in masters),
