@@ -340,7 +340,7 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     Communication: a bare ``psum_scatter`` of every gradient buffer plus a
     bare ``all_gather`` of every parameter block, at the step's exact sizes
     and dtypes. Compute: the busiest rank's Newton–Schulz FLOPs over the
-    measured rate of one large bf16 (or fp32) matmul.
+    measured rate of large bf16 (or fp32) matmuls (:data:`MATMUL_CHAIN` per call).
     """
     plan = opt.plan
     dp = mesh.shape["dp"]

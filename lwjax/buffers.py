@@ -12,9 +12,9 @@ over the dp axis puts exactly rank ``r``'s shard on device ``r``, one tiled
 ``all_gather`` per bucket rebuilds it. Optimizer state is stored the same way,
 one array per (buffer, bucket). Padding is zero and stays zero.
 
-:func:`pack` and :func:`unpack` are inverses; both are static slices, reshapes
-and one concatenation per bucket, so they trace once under ``jit`` or
-``shard_map`` and cost nothing per step in Python.
+:func:`pack` and :func:`unpack` are inverses made of static slices, row gathers,
+reshapes and a concatenation (or in-place writes) per bucket, so they trace once
+under ``jit`` or ``shard_map`` and cost nothing per step in Python.
 
 Expert leaves are planned from their *local* shapes (``E / ep`` experts, see
 :attr:`lwjax.routing.LeafRoute.local_shape`): every expert-parallel rank has the

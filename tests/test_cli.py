@@ -299,4 +299,3 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
         times.append(time.perf_counter() - start)
     one = 2 * 1024**3 / min(times) / 1e12
     assert 1 / 3 < floor["matmul_tflops"] / one < 3
-    assert floor["ns_ms"] == pytest.approx(floor["ns_gflop_max_rank"] / floor["matmul_tflops"], rel=1e-6)

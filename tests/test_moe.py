@@ -81,9 +81,9 @@ def mesh_of(dp, ep):
 
 
 @functools.cache
-def trained(dp, ep, param_sync="all_gather", pipeline_muon=False):
+def trained(dp, ep, param_sync="all_gather", pipeline_muon=False, clip_grad=CONFIG.clip_grad):
     params = moe_params()
-    config = OptimizerConfig(weight_decay=CONFIG.weight_decay, clip_grad=CONFIG.clip_grad, param_sync=param_sync,
+    config = OptimizerConfig(weight_decay=CONFIG.weight_decay, clip_grad=clip_grad, param_sync=param_sync,
                              pipeline_muon=pipeline_muon)
     opt = layerwise_muon(params, mesh_of(dp, ep), expert_axis="ep", learning_rate=LR, muon=MUON, config=config,
                          elementwise=optax.scale_by_adam(*ADAM), bucket_size=1500, **ROUTING)
@@ -132,10 +132,11 @@ def test_moe_at_dp_x_ep_matches_unsharded_reference(dp, ep):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_pipelined_step_is_the_serial_step_with_experts():
-    opt, params, state, metrics = trained(4, 2, pipeline_muon=True)
-    _, want_params, want_state, want_metrics = trained(4, 2)
-    assert "recomputed" in metrics[0]
+@pytest.mark.parametrize("clip_grad", [CONFIG.clip_grad, 1e-3], ids=["clip_not_binding", "clip_binding"])
+def test_pipelined_step_is_the_serial_step_with_experts(clip_grad):
+    opt, params, state, metrics = trained(4, 2, pipeline_muon=True, clip_grad=clip_grad)
+    _, want_params, want_state, want_metrics = trained(4, 2, clip_grad=clip_grad)
+    assert [bool(m["recomputed"]) for m in metrics] == [clip_grad < CONFIG.clip_grad] * len(metrics)
     _assert_close(params, want_params, "params")
     _assert_close(state, want_state, "state")
     for m, w in zip(metrics, want_metrics):

@@ -330,7 +330,7 @@ def test_pipelined_step_equals_the_serial_step(case):
 
 
 def test_pipelined_step_recomputes_each_layer_wise_bucket_in_its_own_loop():
-    """One at-most-once loop per layer-wise bucket: its carry is updated in place, and each bucket's update waits for its own only."""
+    """One at-most-once loop per layer-wise bucket, so each bucket's update can follow its own loop."""
     params = toy_params(layers=8)
     config = OptimizerConfig(weight_decay=0.1, clip_grad=1.0, pipeline_muon=True)
     opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=config, bucket_size=2000)
@@ -348,6 +348,7 @@ def test_pipelined_step_skips_nonfinite_gradients(clip_grad):
     grads[1][2]["layer1"]["up"][0, 0] = np.inf
     (_, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=clip_grad)
     assert bool(m0["skipped"]) and bool(m1["skipped"])
+    assert not m1.get("recomputed", False)  # a skipped step has nothing to recompute
     _assert_same_steps((p0, s0), (p1, s1))
     (_, p2, s2, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
     _assert_same_steps((p1, s1), (p2, s2))  # the skipped step changed nothing
