@@ -355,28 +355,27 @@ def layerwise_muon(
         gathers due by then land first, so each gather runs during the later
         update the schedule chose for it rather than after the last one.
         ``directions`` maps ``(buffer, bucket)`` to precomputed Muon
-        directions. Also returns each bucket's sum of squared master changes.
+        directions. Also returns the sum of squared master changes.
         """
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters = [list(b) for b in state.masters]
         moments = [list(m if b.key.is_layer_wise else e)
                    for b, m, e in zip(plan.buffers, state.momenta, state.elementwise)]
         gathered = [[None] * b.num_buckets for b in plan.buffers]
-        delta_sq, previous, landed = {}, (), set()
+        delta_sq, previous = jnp.zeros([], master_dtype), ()
         for t, step in enumerate(schedule.steps):
             i, k = step.buffer, step.bucket
-            due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.due_before(t)]
-            due = [(a, b) for a, b in due if gathered[a][b] is not None and (a, b) not in landed]
+            due = [(schedule.steps[j].buffer, schedule.steps[j].bucket) for j in schedule.lands_before(t)]
             own = (directions or {}).get((i, k))
             (master, moment, grad, own), _, arrived = lax.optimization_barrier(
                 ((masters[i][k], moments[i][k], shards[i][k], own), previous, [gathered[a][b] for a, b in due]))
             for (a, b), x in zip(due, arrived):
                 gathered[a][b] = x
-            landed.update(due)
             if config.clip_grad and own is None:
                 grad = step_lib.clip_shard(grad, norm_groups[i][k], coefs)
-            masters[i][k], moments[i][k], delta_sq[i, k] = update_bucket(i, k, master, moment, grad, own, ranks[i],
-                                                                         finite, lr_m, lr_a)
+            masters[i][k], moments[i][k], d = update_bucket(i, k, master, moment, grad, own, ranks[i], finite,
+                                                            lr_m, lr_a)
+            delta_sq += d
             buffer = plan.buffers[i]
             previous = masters[i][k].astype(buffer.key.param_dtype)
             gathered[i][k] = step_lib.gather_bucket(previous, axes.of(buffer.key), ranks[i], buffer.dp,
@@ -450,7 +449,7 @@ def layerwise_muon(
             tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
             tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
         )
-        update_rms = jnp.sqrt(lax.psum(sum(delta_sq.values()), axes.data) / real_numel)
+        update_rms = jnp.sqrt(lax.psum(delta_sq, axes.data) / real_numel)
         leaf_dtypes = [x.dtype for x in jax.tree.leaves(params)]
         new_params = unpack(plan, [tuple(g) for g in gathered], dtypes=leaf_dtypes)
         metrics = {

@@ -75,13 +75,9 @@ class BucketSchedule:
 
     steps: tuple[BucketStep, ...]
 
-    def due_before(self, t: int) -> list[int]:
-        """Positions of the buckets whose gathers must have landed before update ``t`` starts.
-
-        Those gathered during an earlier update; a step that runs every update
-        pins each of them right before the update after the one hiding it.
-        """
-        return [j for j, s in enumerate(self.steps) if s.gathered_during is not None and s.gathered_during < t]
+    def lands_before(self, t: int) -> list[int]:
+        """Positions of the buckets whose gathers must land before update ``t`` starts."""
+        return [j for j, s in enumerate(self.steps) if s.gathered_during is not None and s.gathered_during + 1 == t]
 
     @property
     def exposed_gather_s(self) -> float:
