@@ -29,6 +29,7 @@ _LAZY = {
     "LayerwiseOptimizer": "lwjax.optimizer",
     "layerwise_muon": "lwjax.optimizer",
     "make_train_step": "lwjax.train",
+    "jit_shard_map": "lwjax.train",
     "make_plan": "lwjax.buffers",
     "to_logical": "lwjax.optimizer",
     "from_logical": "lwjax.optimizer",

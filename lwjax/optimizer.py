@@ -477,13 +477,14 @@ def _param_spec(route, expert_axis: str | None) -> P:
     return P(*([None] * route.expert_dim), expert_axis)
 
 
+def named_shardings(mesh: Mesh, specs):
+    """The ``NamedSharding`` on ``mesh`` of every ``PartitionSpec`` in the pytree ``specs``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def state_shardings(optimizer: LayerwiseOptimizer) -> LayerwiseState:
     """``NamedSharding`` pytree of the optimizer state."""
-    return jax.tree.map(
-        lambda spec: NamedSharding(optimizer.mesh, spec),
-        optimizer.state_specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    return named_shardings(optimizer.mesh, optimizer.state_specs)
 
 
 class LogicalState(NamedTuple):

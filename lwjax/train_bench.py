@@ -58,6 +58,7 @@ from lwjax.bench import WORKLOADS, time_steps, workload_optimizer, workload_shap
 from lwjax.demo.devices import bytes_per_device
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.policies import DEFAULT_POLICY
+from lwjax.train import jit_shard_map
 
 MUON = "lwjax Muon"
 ADAMW_SHARDED = "lwjax AdamW (ZeRO-1)"
@@ -338,11 +339,8 @@ def lwjax_step(loss, optimizer: LayerwiseOptimizer):
         params, state, _ = optimizer.update(grads, state, params)
         return params, state, lax.pmean(value, axis)
 
-    return jax.jit(
-        jax.shard_map(local, mesh=optimizer.mesh, in_specs=(P(), optimizer.state_specs, P(axis)),
-                      out_specs=(P(), optimizer.state_specs, P()), check_vma=False),
-        donate_argnums=(0, 1),
-    )
+    return jit_shard_map(local, optimizer.mesh, (P(), optimizer.state_specs, P(axis)),
+                         (P(), optimizer.state_specs, P()), donate_argnums=(0, 1))
 
 
 def _is_matrix(path, x) -> bool:
@@ -382,10 +380,7 @@ def optax_step(loss, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str 
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, lax.pmean(value, axis)
 
-    return jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P(), P()), check_vma=False),
-        donate_argnums=(0, 1),
-    )
+    return jit_shard_map(local, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1))
 
 
 def forward_backward_step(loss, mesh: Mesh, *, axis: str = "dp"):

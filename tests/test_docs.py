@@ -121,6 +121,6 @@ def test_api_reference_covers_the_public_api_with_current_signatures():
             continue
         target = obj.__init__ if isinstance(obj, type) else obj  # nnx modules hide the signature of __init__
         wanted = [n for n in inspect.signature(target).parameters if n != "self"]
-        shown = re.findall(r"[(,]\s*\**(\w+)", documented[name].replace("\n", " "))
+        shown = re.findall(r"[(,]\s*\**([A-Za-z_]\w*)", documented[name].replace("\n", " "))
         shown = [n for n in shown if n != "_"]
         assert shown == wanted, f"docs/api.md: {name} documents {shown}, code has {wanted}"

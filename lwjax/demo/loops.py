@@ -24,6 +24,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax.train import jit_shard_map
+
 
 def make_replicated_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str = "dp"):
     """Build a jitted data-parallel ``step(params, opt_state, batch)`` with replicated optax state.
@@ -39,10 +41,7 @@ def make_replicated_step(loss_fn: Callable, tx: optax.GradientTransformation, me
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
-    return jax.jit(
-        jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P(), P()), check_vma=False),
-        donate_argnums=(0, 1),
-    )
+    return jit_shard_map(local_step, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1))
 
 
 def init_replicated(tx: optax.GradientTransformation, params, mesh: Mesh):
