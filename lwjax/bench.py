@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, default_bucket_size, layerwise_muon
 from lwjax.policies import DEFAULT_NUM_NS_STEPS, ns_flops
+from lwjax.train import jit_shard_map
 
 WORKLOADS = {
     "8b": dict(hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, layers=4),
@@ -46,7 +47,8 @@ class BenchConfig:
       workload: A key of :data:`WORKLOADS`.
       layers: Transformer layers (``None``: the workload's default).
       dp_sizes: Data-parallel sizes to run (each ≤ the device count).
-      iters: Timed steps per measurement (median reported).
+      iters: Timed steps per measurement (median reported), and steps of the
+        back-to-back window (:func:`time_back_to_back`).
       warmup: Untimed steps first.
       param_dtype: Parameter (compute) dtype.
       grad_reduce_in_fp32: Reduce gradients in fp32, else in ``param_dtype``.
@@ -141,6 +143,23 @@ def time_steps(fn, args, iters: int, warmup: int):
     return statistics.median(times), args
 
 
+def time_back_to_back(fn, args, iters: int):
+    """Wall time per step of ``iters`` steps ``args = fn(*args)`` dispatched back to back, synchronised once.
+
+    The host runs ahead of the devices as it does in a training loop, so the
+    latency of each dispatch and of each wake-up after a synchronisation
+    (about 1 ms each for a multi-device JAX step, which :func:`time_steps`
+    counts in every step) is paid once per ``iters`` steps instead. Closer to
+    device time, as CUDA-event timings are.
+    """
+    jax.block_until_ready(args)
+    start = time.perf_counter()
+    for _ in range(iters):
+        args = fn(*args)
+    jax.block_until_ready(args)
+    return (time.perf_counter() - start) / iters, args
+
+
 PGLE_RUNS = 2
 MATMUL_CHAIN = 8  # products per timed call when measuring the floor's matmul rate
 
@@ -213,20 +232,14 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
     grad_norm = float(jax.jit(lambda g: jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32).mean(0)))
                                                      for x in jax.tree.leaves(g))))(grads))  # the mean's: clipped by
     dp = mesh.shape["dp"]
-    step = jax.jit(
-        jax.shard_map(
-            lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
-            mesh=mesh,
-            in_specs=(P(), opt.state_specs, P("dp")),
-            out_specs=(P(), opt.state_specs),
-            check_vma=False,
-        ),
-        donate_argnums=(0, 1),
-    )
+    step = jit_shard_map(lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2], mesh,
+                         (P(), opt.state_specs, P("dp")), (P(), opt.state_specs), donate_argnums=(0, 1))
     # PGLE is part of jit's cache key: the timed and the traced steps both run under it.
     with pgle() if cfg.pgle else contextlib.nullcontext():
         warmup = max(cfg.warmup, PGLE_RUNS + 1) if cfg.pgle else cfg.warmup  # the profiled calls warm up
         seconds, (params, state) = time_steps(lambda p, s: step(p, s, grads), (params, state), cfg.iters, warmup)
+        back_to_back, (params, state) = time_back_to_back(lambda p, s: step(p, s, grads), (params, state),
+                                                          cfg.iters)
         profile = {}
         if cfg.profile_dir:
             profile = profile_steps(lambda p, s: step(p, s, grads), (params, state), 3, f"{cfg.profile_dir}/dp{dp}")
@@ -234,7 +247,7 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
         sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards if s.device == d)
         for d in mesh.devices.flat
     )
-    return seconds, state_bytes, opt, profile, grad_norm
+    return seconds, back_to_back, state_bytes, opt, profile, grad_norm
 
 
 _KERNEL_KINDS = (
@@ -324,14 +337,12 @@ def _bench_optax(cfg: BenchConfig, shapes, mesh):
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o
 
-    step = jax.jit(
-        jax.shard_map(local, mesh=mesh, in_specs=(P(), state_spec, P("dp")), out_specs=(P(), state_spec),
-                      check_vma=False),
-        donate_argnums=(0, 1),
-    )
+    step = jit_shard_map(local, mesh, (P(), state_spec, P("dp")), (P(), state_spec), donate_argnums=(0, 1))
     seconds, (params, opt_state) = time_steps(lambda p, o: step(p, o, grads), (params, opt_state), cfg.iters, cfg.warmup)
+    back_to_back, (params, opt_state) = time_back_to_back(lambda p, o: step(p, o, grads), (params, opt_state),
+                                                          cfg.iters)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + sum(x.nbytes for x in jax.tree.leaves(params))
-    return seconds, state_bytes
+    return seconds, back_to_back, state_bytes
 
 
 def _floor(cfg: BenchConfig, opt, mesh) -> dict:
@@ -339,8 +350,9 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
 
     Communication: a bare ``psum_scatter`` of every gradient buffer plus a
     bare ``all_gather`` of every parameter block, at the step's exact sizes
-    and dtypes. Compute: the busiest rank's Newton–Schulz FLOPs over the
-    measured rate of large bf16 (or fp32) matmuls (:data:`MATMUL_CHAIN` per call).
+    and dtypes, each timed as the step is (synchronised, and back to back).
+    Compute: the busiest rank's Newton–Schulz FLOPs over the measured rate of
+    large bf16 (or fp32) matmuls (:data:`MATMUL_CHAIN` per call).
     """
     plan = opt.plan
     dp = mesh.shape["dp"]
@@ -354,8 +366,18 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
                                mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"), check_vma=False))
     ag = jax.jit(jax.shard_map(lambda bs: [jax.lax.all_gather(b, "dp", tiled=True) for b in bs],
                                mesh=mesh, in_specs=(P("dp"),), out_specs=P(), check_vma=False))
-    rs_s = time_steps(lambda *_: (rs(grads),), (), cfg.iters, cfg.warmup)[0] if dp > 1 else 0.0
-    ag_s = time_steps(lambda *_: (ag(blocks),), (), cfg.iters, cfg.warmup)[0] if dp > 1 else 0.0
+
+    def timed(collective, operands):
+        """Seconds per call, synchronised and back to back (none at dp 1)."""
+        if dp == 1:
+            return 0.0, 0.0
+
+        def call(*_):
+            return (collective(operands),)
+
+        return time_steps(call, (), cfg.iters, cfg.warmup)[0], time_back_to_back(call, (), cfg.iters)[0]
+
+    (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
     flops = [0] * dp
     for buffer in plan.buffers:
         for group in buffer.slot_groups:
@@ -374,7 +396,8 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     ns_s = max(flops) / rate
     return dict(rs_ms=rs_s * 1e3, ag_ms=ag_s * 1e3, ns_ms=ns_s * 1e3, matmul_tflops=rate / 1e12,
                 ns_gflop_max_rank=max(flops) / 1e9, floor_sum_ms=(rs_s + ag_s + ns_s) * 1e3,
-                floor_max_ms=max(rs_s + ag_s, ns_s) * 1e3)
+                floor_max_ms=max(rs_s + ag_s, ns_s) * 1e3, rs_back_to_back_ms=rs_b2b * 1e3,
+                ag_back_to_back_ms=ag_b2b * 1e3, floor_sum_back_to_back_ms=(rs_b2b + ag_b2b + ns_s) * 1e3)
 
 
 def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
@@ -409,8 +432,11 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
     """Time lwjax's optimizer step (and the optax baseline) at each dp size.
 
     Returns:
-      One record per (contender, dp): ``step_ms`` (median), ``state_bytes_per_device``
-      (optimizer state plus fp32 masters held by one device), and the settings.
+      One record per (contender, dp): ``step_ms`` (median of synchronised
+      steps), ``back_to_back_ms`` (per step, back to back: :func:`time_back_to_back`; JAX
+      contenders only), ``state_bytes_per_device`` (optimizer state plus fp32
+      masters held by one device), and the settings. Megatron's ``step_ms`` is
+      its CUDA-event time of the reduce-scatter plus ``optimizer.step()``.
     """
     shapes, split = workload_shapes(cfg.workload, cfg.layers)
     devices = jax.devices()
@@ -423,19 +449,20 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
         mesh = Mesh(np.array(devices[:dp]), ("dp",))
         base = dict(workload=cfg.workload, layers=cfg.layers or WORKLOADS[cfg.workload]["layers"], params=numel,
                     dp=dp, device=devices[0].device_kind, jax=jax.__version__)
-        seconds, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, shapes, split, mesh)
+        seconds, back_to_back, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, shapes, split, mesh)
         floor = _floor(cfg, opt, mesh)
         bucket_size = default_bucket_size(dp) if cfg.bucket_size == "auto" else cfg.bucket_size
         records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=bucket_size,
                             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, pgle=cfg.pgle, grad_std=cfg.grad_std,
                             grad_norm=grad_norm, pipeline_muon=cfg.pipeline_muon,
-                            step_ms=seconds * 1e3, state_bytes_per_device=nbytes, **floor,
+                            step_ms=seconds * 1e3, back_to_back_ms=back_to_back * 1e3,
+                            state_bytes_per_device=nbytes, **floor,
                             **({"profile": profile} if profile else {})))
         if dp in megatron:
             records.append(dict(base, contender="Megatron-Core LayerWiseDistributedOptimizer", **megatron[dp]))
         if cfg.baselines:
-            seconds, nbytes = _bench_optax(cfg, shapes, mesh)
+            seconds, back_to_back, nbytes = _bench_optax(cfg, shapes, mesh)
             records.append(dict(base, contender="optax.contrib.muon (replicated)", step_ms=seconds * 1e3,
-                                state_bytes_per_device=nbytes))
+                                back_to_back_ms=back_to_back * 1e3, state_bytes_per_device=nbytes))
     return records
 

@@ -247,6 +247,9 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     assert (code, err) == (0, "")
     (record,) = json.loads(out)
     assert record["contender"] == "lwjax" and record["pipeline_muon"] and record["step_ms"] > 0
+    assert min(record["back_to_back_ms"], record["rs_back_to_back_ms"], record["ag_back_to_back_ms"]) > 0
+    assert record["floor_sum_back_to_back_ms"] == pytest.approx(
+        record["rs_back_to_back_ms"] + record["ag_back_to_back_ms"] + record["ns_ms"])
     assert record["grad_norm"] == pytest.approx(2e-5 * (record["params"] / 2) ** 0.5, rel=0.02)
     assert main(["bench", "--grad-std", "0"]) == 2
     assert capsys.readouterr().err.startswith("lwjax bench: BenchConfig.grad_std must be positive; got 0.0.")
@@ -271,6 +274,26 @@ def test_bench_builds_the_pipelined_optimizer_it_reports():
                                                mesh=mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=P(),
                                                check_vma=False), params, opt.init(params), grads)
         assert ("recomputed" in metrics) == pipelined  # the speculation's own metric
+
+
+def test_bench_time_back_to_back_runs_the_steps_back_to_back_and_divides_by_their_number():
+    """Each of the ``iters`` calls gets the previous call's outputs; the time is per step, not per window."""
+    import time
+
+    import jax
+
+    from lwjax import bench
+
+    calls = []
+
+    def step(x):
+        calls.append(x)
+        time.sleep(0.02)
+        return (x + 1,)
+
+    seconds, (last,) = bench.time_back_to_back(step, (jax.numpy.zeros(()),), 5)
+    assert len(calls) == 5 and int(last) == 5
+    assert 0.02 <= seconds < 0.1  # five sleeps of 20 ms over five steps
 
 
 def test_bench_floor_matmul_rate_is_one_products_rate():
