@@ -146,8 +146,8 @@ def reduce_scatter(plan: ParamPlan, axes: MeshAxes, grads, dtype, order=None) ->
     """Phases 1–2: pack local gradients divided by ``dp * ep``, reduce-scatter each bucket over its axes.
 
     ``order`` lists ``(buffer, bucket)`` pairs in program order (default:
-    buffer by buffer); XLA's scheduler may still run them in another. Returns, per buffer and bucket,
-    this device's summed shard in ``dtype``.
+    buffer by buffer); XLA's scheduler may still run them in another.
+    Returns, per buffer and bucket, this device's summed shard in ``dtype``.
     """
     packed = pack(plan, jax.tree.map(lambda g: g.astype(dtype) / axes.num_data, grads),
                   dtypes=[b.key.grad_dtype for b in plan.buffers])
