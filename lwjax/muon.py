@@ -61,6 +61,13 @@ SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
 # Megatron's --muon-fp32-matmul-prec values (torch.set_float32_matmul_precision).
 PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
 
+# Tables whose Newton–Schulz runs folded on CUDA (_iterate_folded). polar_express and cans open with
+# a ≈ 8: bf16 rounds the folded factor's diagonal entries, all close to a, by up to 2^-5 and mostly the
+# same way, which shifts every singular value's gain at once. Over a sweep of top singular values
+# polar_express then ends 1.3× further from fp32 than in Megatron's order, and cans diverges where
+# Megatron's order does not, so both keep that order.
+_FOLDED_TABLES = frozenset({"simple", "quintic", "aol"})
+
 # "high" is TF32-class: XLA's default precision for fp32 dots (TF32 on Ampere+,
 # plain fp32 on CPU). "medium" feeds bf16 operands, for which DEFAULT is native.
 _LAX_PRECISION = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.DEFAULT, "medium": lax.Precision.DEFAULT}
@@ -167,11 +174,13 @@ def newton_schulz(
     saves steps. A zero matrix maps exactly to zero.
 
     Off CUDA the steps run in Megatron's order, rounding as its ``addmm`` calls
-    do. On CUDA GPUs :math:`a_k` is folded into the small matrix,
-    :math:`X_{k+1} = (a_k I + b_k A_k + c_k A_k^2) X_k` (:func:`_iterate_folded`:
-    the same polynomial, one fewer pass over each matrix per step, as many
-    roundings); with ``"medium"``, for a random 1024×4096 matrix on an H200,
-    0.89% RMS error against float64 (Megatron's order: 0.87%).
+    do. On CUDA GPUs the ``"simple"``, ``"quintic"`` and ``"aol"`` tables fold
+    :math:`a_k` into the small matrix, :math:`X_{k+1} = (a_k I + b_k A_k + c_k
+    A_k^2) X_k` (:func:`_iterate_folded`: the same polynomial, one fewer pass
+    over each matrix per step, as many roundings); with ``"medium"``, for a
+    random 1024×4096 matrix on an H200, 0.89% RMS error against float64
+    (Megatron's order: 0.87%). ``"polar_express"`` and ``"cans"`` stay in
+    Megatron's order there (see ``_FOLDED_TABLES``).
 
     Args:
       x: Array ``[..., m, n]`` of a floating dtype (narrower than fp32 is computed in fp32).
@@ -218,8 +227,9 @@ def newton_schulz(
     y = (y / jnp.maximum(norm, eps)).astype(store_dtype)
     options = dict(steps=_coefficient_schedule(coefficient_type, num_ns_steps),
                    precision=_LAX_PRECISION[precision], acc_dtype=acc_dtype)
+    on_cuda = _iterate_folded if coefficient_type in _FOLDED_TABLES else _iterate_exact
     y = lax.platform_dependent(y, default=functools.partial(_iterate_exact, **options),
-                               cuda=functools.partial(_iterate_folded, **options))
+                               cuda=functools.partial(on_cuda, **options))
     if tall:
         y = jnp.swapaxes(y, -1, -2)
     return y.astype(out_dtype)
