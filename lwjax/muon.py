@@ -138,7 +138,8 @@ def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
     into the matmul). Here the ``[m, m]`` factor is combined in ``acc_dtype``
     and rounded once to ``y.dtype``, and the product comes out in ``y.dtype``:
     a step rounds three times, as Megatron's does (Gram, polynomial, product),
-    only ``a`` is rounded inside the factor instead of added in fp32.
+    only ``a`` is rounded inside the factor instead of added in fp32, which not
+    every table tolerates (``_FOLDED_TABLES``).
     """
     eye = jnp.eye(y.shape[-2], dtype=acc_dtype)
     for a, b, c in steps:
