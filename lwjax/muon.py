@@ -24,6 +24,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
@@ -107,12 +108,22 @@ def _check_same_matrices(where: str, **arrays: jax.Array) -> None:
         raise ValueError(f"{where}: {', '.join(arrays)} must share a shape; got {shapes}.")
 
 
+def _check_config(where: str, config: object) -> None:
+    if not isinstance(config, MuonConfig):
+        raise TypeError(f"{where}: config must be a MuonConfig, but got {type(config).__name__}.")
+
+
 def _coefficient_schedule(coefficient_type: str, num_ns_steps: int) -> tuple[tuple[float, ...], ...]:
     """Expand a named coefficient table to one (a, b, c) triple per step."""
     table = COEFFICIENT_SETS[coefficient_type]
     if _ITERATION_MODES[coefficient_type] == "cycle":
         return tuple(table[i % len(table)] for i in range(num_ns_steps))
     return tuple(table[min(i, len(table) - 1)] for i in range(num_ns_steps))
+
+
+def _storage_dtype(dtype, precision: str):
+    """The dtype Newton–Schulz keeps its iterate in: bf16 under ``"medium"``, else fp32 or wider."""
+    return jnp.bfloat16 if precision == "medium" else jnp.promote_types(dtype, jnp.float32)
 
 
 def _iterate_exact(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
@@ -125,7 +136,7 @@ def _iterate_exact(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
         gram = matmul(y, jnp.swapaxes(y, -1, -2)).astype(y.dtype)
         poly = (b * gram.astype(acc_dtype) + c * matmul(gram, gram)).astype(y.dtype)
         y = (a * y.astype(acc_dtype) + matmul(poly, y)).astype(y.dtype)
-    return y.astype(acc_dtype)
+    return y
 
 
 def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
@@ -147,7 +158,7 @@ def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
         square = jnp.matmul(gram, gram, precision=precision, preferred_element_type=acc_dtype)
         factor = (a * eye + b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
         y = jnp.matmul(factor, y, precision=precision, preferred_element_type=y.dtype)
-    return y.astype(acc_dtype)
+    return y
 
 
 def newton_schulz(
@@ -157,6 +168,7 @@ def newton_schulz(
     *,
     eps: float = 1e-7,
     precision: Precision = "highest",
+    dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     r"""Approximately orthogonalise each matrix of a stack by Newton–Schulz iteration.
 
@@ -192,9 +204,11 @@ def newton_schulz(
         ``"high"``: XLA's default fp32 dots (TF32 on recent GPUs, fp32 on CPU).
         ``"medium"``: the normalised matrix and every intermediate are rounded to bf16,
         with products and linear combinations accumulated in fp32.
+      dtype: Output dtype, ``x``'s by default. The iterate is bf16 under ``"medium"``,
+        so a bf16 output loses nothing there and takes half the bytes of fp32.
 
     Returns:
-      Array of the same shape and dtype as ``x``.
+      Array of ``x``'s shape, in ``dtype``.
 
     Raises:
       ValueError: If ``x`` has rank < 2 or an option is outside its allowed set.
@@ -216,9 +230,8 @@ def newton_schulz(
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
         raise ValueError(f"newton_schulz: eps must be a positive number; got {eps=}.")
 
-    out_dtype = x.dtype
     acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
-    store_dtype = jnp.bfloat16 if precision == "medium" else acc_dtype
+    store_dtype = _storage_dtype(x.dtype, precision)
     tall = x.shape[-2] > x.shape[-1]
 
     y = x.astype(acc_dtype)
@@ -233,7 +246,7 @@ def newton_schulz(
                                cuda=functools.partial(on_cuda, **options))
     if tall:
         y = jnp.swapaxes(y, -1, -2)
-    return y.astype(out_dtype)
+    return y.astype(x.dtype if dtype is None else dtype)
 
 
 def _spectral_scale(size_out: int, size_in: int) -> float:
@@ -343,13 +356,21 @@ def orthogonalize(
     """
     _check_matrix("orthogonalize", "update", update)
     _check_choice("orthogonalize: scale_mode", scale_mode, SCALE_MODES)
+    polar = _polar(update, coefficient_type, num_ns_steps, precision, qkv_split_shapes)
+    return _scaled(polar, _row_scales(update.shape[-2:], scale_mode, qkv_split_shapes), extra_scale_factor,
+                   update.dtype)
 
-    def scaled(u: jax.Array) -> jax.Array:
-        out = newton_schulz(u, coefficient_type, num_ns_steps, precision=precision)
-        return out * get_muon_scale_factor(*u.shape[-2:], scale_mode) * extra_scale_factor
 
+def _polar(update: jax.Array, coefficient_type, num_ns_steps, precision, qkv_split_shapes) -> jax.Array:
+    """Newton–Schulz of the matrix, or of each QKV piece with its rows put back, unscaled.
+
+    Kept in the iteration's storage dtype (bf16 under ``"medium"``): rounding it
+    there again loses nothing.
+    """
+    ns = functools.partial(newton_schulz, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,
+                           precision=precision, dtype=_storage_dtype(update.dtype, precision))
     if qkv_split_shapes is None:
-        return scaled(update)
+        return ns(update)
     *batch, m, n = update.shape
     split = _check_qkv_split(qkv_split_shapes, m)
     groups = m // sum(split)
@@ -361,10 +382,26 @@ def orthogonalize(
     done = [None] * len(split)
     for rows in dict.fromkeys(split):
         same = [i for i, r in enumerate(split) if r == rows]
-        out = scaled(jnp.stack([pieces[i] for i in same]))
+        out = ns(jnp.stack([pieces[i] for i in same]))
         for j, i in enumerate(same):
             done[i] = out[j].reshape(*batch, groups, rows, n)
     return jnp.concatenate(done, axis=-2).reshape(update.shape)
+
+
+def _row_scales(shape: tuple[int, int], scale_mode, qkv_split_shapes) -> np.ndarray:
+    """Each row's :func:`get_muon_scale_factor` (its QKV piece's), as a float64 ``[m, 1]`` column (``[1, 1]`` unsplit)."""
+    m, n = shape
+    if qkv_split_shapes is None:
+        return np.full((1, 1), get_muon_scale_factor(m, n, scale_mode))
+    split = _check_qkv_split(qkv_split_shapes, m)
+    groups = m // sum(split)
+    group = np.concatenate([np.full(rows, get_muon_scale_factor(groups * rows, n, scale_mode)) for rows in split])
+    return np.tile(group, groups)[:, None]
+
+
+def _scaled(polar: jax.Array, row_scales: np.ndarray, extra_scale_factor: float, dtype) -> jax.Array:
+    r""":math:`O = Q s \gamma` in ``dtype``, rounding as ``(Q * s) * gamma`` does there."""
+    return polar.astype(dtype) * jnp.asarray(row_scales, dtype) * extra_scale_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,11 +505,62 @@ def muon_update(
       >>> p1.shape, bool(jnp.allclose(m1, 0.05 * g))
       ((2, 4, 6), True)
     """
-    if not isinstance(config, MuonConfig):
-        raise TypeError(f"muon_update: config must be a MuonConfig, but got {type(config).__name__}.")
+    _check_config("muon_update", config)
     _check_same_matrices("muon_update", param=param, grad=grad, momentum=momentum)
     direction, momentum = muon_direction(grad, momentum, config=config, qkv_split_shapes=qkv_split_shapes)
     return apply_direction(param, direction, learning_rate=learning_rate, weight_decay=weight_decay), momentum
+
+
+def muon_polar(
+    grad: jax.Array,
+    momentum: jax.Array,
+    *,
+    config: MuonConfig,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""The half of :func:`muon_update` that needs no parameter, before its scale: new momentum and :math:`Q`.
+
+    .. math::
+
+      M &\leftarrow M + (1 - \beta)(G - M) \\
+      Q &= \mathrm{NS}(G + \beta (M - G) \text{ if nesterov, else } M)
+
+    with :math:`\mathrm{NS}` per QKV piece, as :func:`orthogonalize` runs it.
+    :func:`scale_polar` turns :math:`Q` into the direction. :math:`Q` is kept in
+    Newton–Schulz's storage dtype, bf16 under ``"medium"``: what waits between
+    the two halves takes half the bytes of the fp32 direction.
+
+    Returns:
+      ``(polar, new_momentum)``.
+
+    Raises:
+      TypeError, ValueError: As :func:`muon_update`.
+    """
+    _check_config("muon_polar", config)
+    _check_same_matrices("muon_polar", grad=grad, momentum=momentum)
+    beta = config.momentum
+    momentum = _lerp(momentum, grad, 1.0 - beta)
+    update = _lerp(grad, momentum, beta) if config.nesterov else momentum
+    split = qkv_split_shapes if config.split_qkv else None
+    return _polar(update, config.coefficient_type, config.num_ns_steps, config.fp32_matmul_prec, split), momentum
+
+
+def scale_polar(
+    polar: jax.Array,
+    *,
+    config: MuonConfig,
+    qkv_split_shapes: Sequence[int] | None = None,
+    dtype: jnp.dtype = jnp.float32,
+) -> jax.Array:
+    r"""Muon's direction from :func:`muon_polar`'s :math:`Q`: :math:`O = Q\, s\, \gamma` in ``dtype``.
+
+    :math:`s` is :func:`get_muon_scale_factor` of the matrix, or of each row's
+    QKV piece, and :math:`\gamma` is ``config.extra_scale_factor``.
+    """
+    _check_config("scale_polar", config)
+    _check_matrix("scale_polar", "polar", polar)
+    split = qkv_split_shapes if config.split_qkv else None
+    return _scaled(polar, _row_scales(polar.shape[-2:], config.scale_mode, split), config.extra_scale_factor, dtype)
 
 
 def muon_direction(
@@ -489,28 +577,18 @@ def muon_direction(
       M &\leftarrow M + (1 - \beta)(G - M) \\
       O &= \mathrm{orthogonalize}(G + \beta (M - G) \text{ if nesterov, else } M)
 
+    It is :func:`muon_polar` followed by :func:`scale_polar`.
+
     Returns:
       ``(direction, new_momentum)``; the direction in ``momentum``'s dtype.
 
     Raises:
       TypeError, ValueError: As :func:`muon_update`.
     """
-    if not isinstance(config, MuonConfig):
-        raise TypeError(f"muon_direction: config must be a MuonConfig, but got {type(config).__name__}.")
+    _check_config("muon_direction", config)
     _check_same_matrices("muon_direction", grad=grad, momentum=momentum)
-    beta = config.momentum
-    momentum = _lerp(momentum, grad, 1.0 - beta)
-    update = _lerp(grad, momentum, beta) if config.nesterov else momentum
-    direction = orthogonalize(
-        update,
-        coefficient_type=config.coefficient_type,
-        num_ns_steps=config.num_ns_steps,
-        scale_mode=config.scale_mode,
-        extra_scale_factor=config.extra_scale_factor,
-        precision=config.fp32_matmul_prec,
-        qkv_split_shapes=qkv_split_shapes if config.split_qkv else None,
-    )
-    return direction, momentum
+    polar, momentum = muon_polar(grad, momentum, config=config, qkv_split_shapes=qkv_split_shapes)
+    return scale_polar(polar, config=config, qkv_split_shapes=qkv_split_shapes, dtype=momentum.dtype), momentum
 
 
 def apply_direction(

@@ -342,7 +342,7 @@ def layerwise_muon(
             if directions is None:
                 directions = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose)
             return step_lib.muon_apply(buffer, k, master, moments, directions, rank, finite, lr_m,
-                                       config.weight_decay, transpose)
+                                       config.weight_decay, muon, transpose)
         lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
         decay = step_lib.per_element(buffer, k, rank, decay_of)
         new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)

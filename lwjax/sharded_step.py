@@ -230,24 +230,26 @@ def _take(flat: jax.Array, offsets: jax.Array, shape: tuple[int, int], transpose
 
 
 def muon_directions(buffer, bucket, momentum, grad, rank, muon_config, transpose) -> list[tuple[jax.Array, jax.Array]]:
-    """Phase 4a of one layer-wise bucket: per slot group, the Muon direction and new momentum of its matrices.
+    """Phase 4a of one layer-wise bucket: per slot group, the unscaled Muon direction and new momentum of its matrices.
 
     Reads this rank's matrices with one gather per slot group (same shape and
     multipliers); needs neither the master weights nor the finite check, so it
-    can run as soon as the bucket's gradient shard has arrived.
+    can run as soon as the bucket's gradient shard has arrived. Each direction
+    is :func:`~lwjax.muon.muon_polar`'s, bf16 under ``"medium"``: it waits for
+    :func:`muon_apply` in half the bytes, and is scaled there.
     """
     groups, scratch = _slot_groups(buffer, bucket)
     momentum, grad = _with_scratch(momentum, scratch), _with_scratch(grad, scratch)
     out = []
     for group in groups:
         offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
-        out.append(muon_lib.muon_direction(
+        out.append(muon_lib.muon_polar(
             _take(grad, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose),
             config=muon_config, qkv_split_shapes=group.qkv_split_shapes))
     return out
 
 
-def muon_apply(buffer, bucket, master, momentum, directions, rank, finite, lr, weight_decay, transpose):
+def muon_apply(buffer, bucket, master, momentum, directions, rank, finite, lr, weight_decay, muon_config, transpose):
     """Phase 4b of one layer-wise bucket: apply :func:`muon_directions`' output to the master shard.
 
     Group ``j`` steps with learning rate ``lr * lr_mult_j`` and weight decay
@@ -259,9 +261,11 @@ def muon_apply(buffer, bucket, master, momentum, directions, rank, finite, lr, w
     size = buffer.shard_sizes[bucket]
     master, momentum = _with_scratch(master, scratch), _with_scratch(momentum, scratch)
     delta_sq = jnp.zeros([], master.dtype)
-    for group, (direction, new_m) in zip(groups, directions):
+    for group, (polar, new_m) in zip(groups, directions):
         offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
         old_p, old_m = _take(master, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose)
+        direction = muon_lib.scale_polar(polar, config=muon_config, qkv_split_shapes=group.qkv_split_shapes,
+                                         dtype=master.dtype)
         new_p = muon_lib.apply_direction(old_p, direction, learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
                                          weight_decay=weight_decay * group.wd_mult)
         new_p, new_m = jnp.where(finite, new_p, old_p), jnp.where(finite, new_m, old_m)

@@ -22,9 +22,11 @@ from lwjax.muon import (
     apply_direction,
     get_muon_scale_factor,
     muon_direction,
+    muon_polar,
     muon_update,
     newton_schulz,
     orthogonalize,
+    scale_polar,
 )
 
 _FIXTURE = json.loads(
@@ -392,6 +394,24 @@ def test_muon_update_passes_qkv_split_only_when_enabled(split_qkv):
     np.testing.assert_allclose(np.asarray(new_p), -np.asarray(expected), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("precision, stored", [("medium", jnp.bfloat16), ("highest", jnp.float32)])
+def test_muon_polar_keeps_newton_schulz_dtype_and_scale_polar_makes_the_direction(precision, stored):
+    config = MuonConfig(nesterov=True, scale_mode="unit_rms_norm", extra_scale_factor=0.3, fp32_matmul_prec=precision)
+    g, m = jnp.asarray(_rng_matrix(21, 2, 16, 6)), jnp.asarray(_rng_matrix(22, 2, 16, 6))
+    polar, new_m = muon_polar(g, m, config=config, qkv_split_shapes=(4, 2, 2))
+    assert polar.dtype == stored
+    direction = scale_polar(polar, config=config, qkv_split_shapes=(4, 2, 2))
+    expected_direction, expected_m = muon_direction(g, m, config=config, qkv_split_shapes=(4, 2, 2))
+    np.testing.assert_array_equal(np.asarray(direction), np.asarray(expected_direction))
+    np.testing.assert_array_equal(np.asarray(new_m), np.asarray(expected_m))
+    # Whole matrices: Q is Newton–Schulz's own output, rounded to nothing coarser than it was computed in.
+    whole = MuonConfig(fp32_matmul_prec=precision, extra_scale_factor=0.3)
+    polar, new_m = muon_polar(g, m, config=whole)
+    direction = scale_polar(polar, config=whole)
+    expected = newton_schulz(new_m, precision=precision) * get_muon_scale_factor(16, 6) * 0.3
+    np.testing.assert_array_equal(np.asarray(direction), np.asarray(expected))
+
+
 # --- argument checking -------------------------------------------------------------------------
 
 _X = jnp.ones((4, 6))
@@ -421,10 +441,14 @@ _X = jnp.ones((4, 6))
          r"muon_direction: grad, momentum must share a shape; .*momentum.shape=\(3, 6\)"),
         (lambda: apply_direction(_X, jnp.ones(6), learning_rate=1.0, weight_decay=0.0), ValueError,
          r"apply_direction: direction must have rank >= 2"),
+        (lambda: muon_polar(_X, _X, config=None), TypeError, r"muon_polar: config must be a MuonConfig"),
+        (lambda: scale_polar(_X, config=None), TypeError, r"scale_polar: config must be a MuonConfig"),
+        (lambda: scale_polar(jnp.ones(6), config=MuonConfig()), ValueError, r"scale_polar: polar must have rank >= 2"),
     ],
     ids=["ns_coefficient_type", "ns_steps_zero", "ns_steps_float", "ns_rank1", "ns_int_dtype", "ns_precision",
          "ns_eps", "scale_mode", "scale_size", "orth_scale_mode", "orth_split_zero", "orth_split_int",
-         "update_config", "update_shapes", "direction_config", "direction_shapes", "apply_rank1"],
+         "update_config", "update_shapes", "direction_config", "direction_shapes", "apply_rank1", "polar_config",
+         "scale_config", "scale_rank1"],
 )
 def test_bad_arguments_raise_naming_the_argument(call, error, pattern):
     with pytest.raises(error, match=pattern):

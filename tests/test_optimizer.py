@@ -282,6 +282,22 @@ def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelin
         assert gathers[during][0] < landed[j] < gathers[during + 1][0]
 
 
+def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_recomputation_loop():
+    """Under "medium" a speculative direction waits for its apply as muon_polar's bf16 Q, not as fp32."""
+    params = toy_params()
+    config = OptimizerConfig(clip_grad=1.0, pipeline_muon=True)
+    opt = layerwise_muon(params, mesh_of(4), muon=MuonConfig(), config=config, bucket_size=2000)
+    grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
+    text = _step_fn(opt).lower(params, opt.init(params), grads).as_text()
+    loops = [line.split(" : ", 1)[1] for line in text.splitlines() if "stablehlo.while" in line]
+    assert loops
+    for types in loops:
+        matrices = re.findall(r"tensor<(\d+x\d+x\d+)x(bf16|f32)>", types)
+        directions = sorted(shape for shape, dtype in matrices if dtype == "bf16")
+        momenta = sorted(shape for shape, dtype in matrices if dtype == "f32")
+        assert directions and directions == momenta, types
+
+
 def _serial_and_pipelined(params, grads, clip_grad=1.0, **routing):
     """The same steps with the serial and the pipelined step."""
     out = []
