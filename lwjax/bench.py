@@ -177,6 +177,11 @@ def pgle():
         jax.config.update("jax_pgle_profiling_runs", saved[1])
 
 
+def warmup_calls(warmup: int, pgle_on: bool) -> int:
+    """Untimed calls before timing: ``warmup``, and under PGLE at least the profiled ones and the recompiled one."""
+    return max(warmup, PGLE_RUNS + 1) if pgle_on else warmup
+
+
 def workload_optimizer(params, mesh: Mesh, qkv_split, *, ns_precision: str, grad_reduce_in_fp32: bool, policy: str,
                        bucket_size, muon: bool = True, learning_rate: float = 1e-3, weight_decay: float = 0.01,
                        clip_grad: float | None = 1.0, pipeline_muon: bool = False) -> LayerwiseOptimizer:
@@ -240,8 +245,7 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
 
     # PGLE is part of jit's cache key: the timed and the traced steps both run under it.
     with pgle() if cfg.pgle else contextlib.nullcontext():
-        warmup = max(cfg.warmup, PGLE_RUNS + 1) if cfg.pgle else cfg.warmup  # the profiled calls warm up
-        seconds, (params, state) = time_steps(call, (params, state), cfg.iters, warmup)
+        seconds, (params, state) = time_steps(call, (params, state), cfg.iters, warmup_calls(cfg.warmup, cfg.pgle))
         back_to_back, (params, state) = time_back_to_back(call, (params, state), cfg.iters)
         profile = {}
         if cfg.profile_dir:

@@ -435,9 +435,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from lwjax.demo.devices import request_cpu_devices
 
     if args.train_step:
-        if args.megatron or args.profile or args.pgle or args.pipeline_muon or args.grad_std is not None:
-            raise ValueError("--megatron, --profile, --pgle, --pipeline-muon and --grad-std apply to the optimizer "
-                             "step only; drop them with --train-step.")
+        if args.megatron or args.profile or args.grad_std is not None:
+            raise ValueError("--megatron, --profile and --grad-std apply to the optimizer step only; drop them with "
+                             "--train-step.")
     elif (args.seq_len, args.micro_batch, args.remat) != (None, None, False):
         raise ValueError("--seq-len, --micro-batch and --remat apply to --train-step only.")
     request_cpu_devices(max(args.dp))
@@ -494,7 +494,8 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         workload=args.workload, layers=args.layers, dp_sizes=tuple(args.dp), seq_len=args.seq_len,
         micro_batch=args.micro_batch, remat=args.remat, iters=args.iters, warmup=args.warmup,
         param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32, ns_precision=args.ns_precision,
-        policy=args.policy, bucket_size=args.bucket_size, baselines=args.baselines,
+        policy=args.policy, bucket_size=args.bucket_size, pipeline_muon=args.pipeline_muon, pgle=args.pgle,
+        baselines=args.baselines,
     )
     records = run_train_bench(config)
     if _emit_records(args, records):
@@ -570,7 +571,8 @@ def _add_bench_parser(subparsers) -> None:
                    help="also time Megatron-Core with this script (GPU host with megatron-core installed)")
     p.add_argument("--profile", default=None, metavar="DIR", help="trace lwjax steps into DIR and summarise kernels")
     p.add_argument("--pgle", action="store_true",
-                   help="compile lwjax's step with profile-guided latency estimates (JAX's PGLE)")
+                   help="compile lwjax's step (with --train-step: every contender's) with profile-guided latency "
+                        "estimates (JAX's PGLE)")
     p.add_argument("--grad-std", type=float, default=None,
                    help="std of each device's random gradients (default 1e-2: the clip binds every step); the mean "
                         "gradient's norm is about std*sqrt(params/dp), reported; passed on to Megatron")

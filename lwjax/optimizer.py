@@ -90,9 +90,10 @@ class OptimizerConfig:
         1: after the norm, the directions are kept or computed again from the
         clipped gradients (``metrics["recomputed"]``), so the result is the
         serial step's up to rounding either way, but a step that clips runs
-        momentum and Newton–Schulz twice. It pays off under XLA's
-        profile-guided scheduling (PGLE) while clipping rarely binds; see
-        ``docs/benchmarks.md``.
+        momentum and Newton–Schulz twice. The optimizer step alone pays off
+        under XLA's profile-guided scheduling (PGLE) while clipping rarely
+        binds; a whole training step measured slower than serial, PGLE or
+        not (``lwjax bench --train-step``; see ``docs/benchmarks.md``).
     """
 
     weight_decay: float = 0.01

@@ -43,6 +43,7 @@ measured peak (``peak_bytes_so_far``) for every contender.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -54,7 +55,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.bench import WORKLOADS, time_steps, workload_optimizer, workload_shapes
+from lwjax.bench import WORKLOADS, pgle, time_steps, warmup_calls, workload_optimizer, workload_shapes
 from lwjax.demo.devices import bytes_per_device
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.policies import DEFAULT_POLICY
@@ -271,6 +272,11 @@ class TrainBenchConfig:
       learning_rate: Learning rate of every contender (Muon and Adam alike, as in :mod:`lwjax.bench`).
       weight_decay: Decoupled weight decay on matrices (not on norms).
       clip_grad: Global gradient-norm clip of every contender; ``None`` or ``0`` disables.
+      pipeline_muon: lwjax Muon's ``OptimizerConfig.pipeline_muon``.
+      pgle: Compile every contender's step with JAX's profile-guided latency
+        estimates (:func:`lwjax.bench.pgle`; the profiled calls are part of
+        the warm-up), as :class:`lwjax.bench.BenchConfig` does for the
+        optimizer step.
       baselines: Also time the replicated optax AdamW.
       peak_flops: Peak FLOP/s of one device for MFU; ``None``: by device kind
         (:data:`PEAK_BF16_FLOPS`), and no MFU for unknown kinds (CPU).
@@ -293,6 +299,8 @@ class TrainBenchConfig:
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     clip_grad: float | None = 1.0
+    pipeline_muon: bool = False
+    pgle: bool = False
     baselines: bool = True
     peak_flops: float | None = None
     seed: int = 0
@@ -322,11 +330,12 @@ def lwjax_optimizer(params, mesh: Mesh, qkv_split, cfg: TrainBenchConfig, *, muo
     return workload_optimizer(params, mesh, qkv_split, muon=muon, ns_precision=cfg.ns_precision,
                               grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, policy=cfg.policy,
                               bucket_size=cfg.bucket_size, learning_rate=cfg.learning_rate,
-                              weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad)
+                              weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                              pipeline_muon=cfg.pipeline_muon)
 
 
 def lwjax_step(loss, optimizer: LayerwiseOptimizer):
-    """``step(params, state, batch) -> (params, state, loss)``: local gradients straight into ``optimizer.update``.
+    """``step(params, state, batch) -> (params, state, loss, grad_norm)``: local gradients straight into ``optimizer.update``.
 
     ``update`` takes each device's gradient of its local mean loss and takes the
     mean over dp itself (inside its reduce-scatter). ``params`` and ``state``
@@ -336,11 +345,11 @@ def lwjax_step(loss, optimizer: LayerwiseOptimizer):
 
     def local(params, state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
-        params, state, _ = optimizer.update(grads, state, params)
-        return params, state, lax.pmean(value, axis)
+        params, state, metrics = optimizer.update(grads, state, params)
+        return params, state, lax.pmean(value, axis), metrics["grad_norm"]
 
     return jit_shard_map(local, optimizer.mesh, (P(), optimizer.state_specs, P(axis)),
-                         (P(), optimizer.state_specs, P()), donate_argnums=(0, 1))
+                         (P(), optimizer.state_specs, P(), P()), donate_argnums=(0, 1))
 
 
 def _is_matrix(path, x) -> bool:
@@ -437,13 +446,21 @@ def _run_contender(name: str, cfg: TrainBenchConfig, model: ModelConfig, shapes,
     compiled = step.lower(*args, batch).compile()
     record = dict(compiled_bytes_per_device=_compiled_bytes(compiled),
                   attention="cudnn" if "cudnn$fmha" in compiled.as_text() else "xla")
-    if name == FORWARD_BACKWARD:
-        seconds, (params, _) = time_steps(lambda p, out: (p, compiled(p, batch)), (*args, None), cfg.iters, cfg.warmup)
-        record["state_bytes_per_device"] = bytes_per_device(params)
-    else:
-        seconds, args = time_steps(lambda p, s: compiled(p, s, batch)[:2], args, cfg.iters, cfg.warmup)
-        record["state_bytes_per_device"] = bytes_per_device(args)
-        record["loss"] = float(compiled(*args, batch)[2])
+    # Under PGLE the step is called through jit, which profiles the first calls and recompiles; the
+    # executable compiled above only gives the memory figures then.
+    run = step if cfg.pgle else compiled
+    warmup = warmup_calls(cfg.warmup, cfg.pgle)
+    with pgle() if cfg.pgle else contextlib.nullcontext():
+        if name == FORWARD_BACKWARD:
+            seconds, (params, _) = time_steps(lambda p, out: (p, run(p, batch)), (*args, None), cfg.iters, warmup)
+            record["state_bytes_per_device"] = bytes_per_device(params)
+        else:
+            seconds, args = time_steps(lambda p, s: run(p, s, batch)[:2], args, cfg.iters, warmup)
+            record["state_bytes_per_device"] = bytes_per_device(args)
+            out = run(*args, batch)
+            record["loss"] = float(out[2])
+            if name in (MUON, ADAMW_SHARDED):  # the norm the step clipped by: above clip_grad, clipping bound
+                record["grad_norm"] = float(out[3])
     record["step_ms"] = seconds * 1e3
     stats = mesh.devices.flat[0].memory_stats()  # None on CPU
     record["peak_bytes_so_far"] = stats.get("peak_bytes_in_use") if stats else None
@@ -464,7 +481,9 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       ``state_bytes_per_device`` (parameters plus optimizer state on one
       device), ``loss`` of one more step after the timed ones,
       ``attention`` (``"cudnn"`` where the compiled step calls cuDNN's fused
-      attention, else ``"xla"``), and the settings. The Muon
+      attention, else ``"xla"``), ``grad_norm`` of that step (lwjax contenders:
+      above ``clip_grad``, the clip bound, and a pipelined Muon step
+      recomputed its directions), and the settings. The Muon
       record adds ``muon_overhead_pct``: per other contender,
       :math:`100\\,(t_\\text{Muon} / t - 1)`.
     """
@@ -485,7 +504,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
         base = dict(workload=cfg.workload, layers=model.layers, params=numel, dp=dp, seq_len=cfg.seq_len,
                     micro_batch=cfg.micro_batch, global_batch=dp * cfg.micro_batch, tokens_per_step=tokens,
                     remat=cfg.remat, param_dtype=cfg.param_dtype, model_flops_per_token=flops_per_token,
-                    device=devices[0].device_kind, jax=jax.__version__)
+                    pipeline_muon=cfg.pipeline_muon, pgle=cfg.pgle, device=devices[0].device_kind,
+                    jax=jax.__version__)
         rows = {}
         for name in names:
             r = _run_contender(name, cfg, model, shapes, split, mesh, batch)

@@ -158,10 +158,10 @@ def _one_step(contender, params, batch, dp):
     if contender == tb.ADAMW_REPLICATED:
         tx = tb.optax_adamw(CFG)
         new, state, _ = tb.optax_step(loss, tx, mesh)(params, tx.init(params), batch)
-        return new, state
+        return new, state, None
     opt = tb.lwjax_optimizer(params, mesh, split, CFG, muon=contender == tb.MUON)
-    new, state, _ = tb.lwjax_step(loss, opt)(params, opt.init(params), batch)
-    return new, to_logical(opt, state)
+    new, state, _, grad_norm = tb.lwjax_step(loss, opt)(params, opt.init(params), batch)
+    return new, to_logical(opt, state), grad_norm
 
 
 def _assert_trees_close(got, want, tol, where=None):
@@ -197,7 +197,7 @@ def test_adamw_step_at_dp4_is_the_single_device_full_batch_step(contender):
     updates, state = tx.update(grads, state, params)
     want = optax.apply_updates(params, updates)
 
-    got, got_state = _one_step(contender, params, batch, dp=4)
+    got, got_state, _ = _one_step(contender, params, batch, dp=4)
     _assert_trees_close(got, want, 1e-5, where=_adam_well_conditioned(grads))
     # Adam's first moment is (1 - b1) g: the gradient itself, mean over the global batch (Adam's step is scale-free).
     mu = got_state.elementwise.mu if contender == tb.ADAMW_SHARDED else got_state[0].mu
@@ -221,7 +221,8 @@ def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
     want, want_state = step(grads, opt.init(params), params)
     assert sum(r.is_muon for r in opt.plan.routes) == 4  # qkv, proj, fc1, fc2
 
-    got, got_state = _one_step(tb.MUON, params, batch, dp=4)
+    got, got_state, grad_norm = _one_step(tb.MUON, params, batch, dp=4)
+    assert float(grad_norm) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)  # the full-batch gradient's
     masks = jax.tree.leaves(_adam_well_conditioned(grads))  # Adam leaves where conditioned, Muon matrices everywhere
     where = [np.ones(m.shape, bool) if r.is_muon else m for r, m in zip(opt.plan.routes, masks)]
     _assert_trees_close(got, want, 1e-5, where=where)
@@ -242,10 +243,24 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
 
 
+@pytest.mark.filterwarnings("ignore:PGLE collected an empty trace")  # no kernel trace on CPU; the paths still run
+def test_train_step_pipelined_under_pgle_trains_as_the_serial_step():
+    """--train-step --pipeline-muon --pgle: the same steps (the jit path PGLE recompiles, speculation and all)."""
+    cfg = dataclasses.replace(CFG, dp_sizes=(2,), iters=1, warmup=3, baselines=False, clip_grad=1.0)
+    serial, pipelined = (tb.run_train_bench(dataclasses.replace(cfg, pipeline_muon=on, pgle=on)) for on in (False, True))
+    assert [(r["pipeline_muon"], r["pgle"]) for r in pipelined] == [(True, True)] * 3
+    for a, b in zip(serial, pipelined):
+        assert a["contender"] == b["contender"]
+        if "loss" in a:  # after warmup + iters + 1 steps each
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        if a["contender"] in (tb.MUON, tb.ADAMW_SHARDED):
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and a["grad_norm"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     ("bench --seq-len 16", "lwjax bench: --seq-len, --micro-batch and --remat apply to --train-step only."),
-    ("bench --train-step --profile /tmp/x", "lwjax bench: --megatron, --profile, --pgle, --pipeline-muon and --grad-std "
-                                            "apply to the optimizer step only"),
+    ("bench --train-step --profile /tmp/x", "lwjax bench: --megatron, --profile and --grad-std apply to the optimizer "
+                                            "step only"),
     ("bench --train-step --micro-batch 0", "lwjax bench: TrainBenchConfig.micro_batch must be >= 1; got 0."),
 ], ids=["seq_len_without_train_step", "profile_with_train_step", "micro_batch_zero"])
 def test_cli_train_step_user_errors(argv, message, capsys):
