@@ -234,7 +234,7 @@ def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
                              pipeline_muon=cfg.pipeline_muon)
     state = opt.init(params)
     grads = _local_grads(shapes, mesh, dtype, cfg.grad_std)
-    grad_norm = float(jax.jit(lambda g: optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g)))(
+    grad_norm = float(jax.jit(lambda g: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g)))(
         grads))  # of the mean gradient, what the step clips by
     dp = mesh.shape["dp"]
     step = jit_shard_map(lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2], mesh,
