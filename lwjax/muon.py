@@ -389,7 +389,7 @@ def _polar(update: jax.Array, coefficient_type, num_ns_steps, precision, qkv_spl
 
 
 def _row_scales(shape: tuple[int, int], scale_mode, qkv_split_shapes) -> np.ndarray:
-    """Each row's :func:`get_muon_scale_factor` (its QKV piece's), as a float64 ``[m, 1]`` column (``[1, 1]`` unsplit)."""
+    """Each row's :func:`get_muon_scale_factor` (its QKV piece's): a float64 ``[m, 1]`` column, ``[1, 1]`` unsplit."""
     m, n = shape
     if qkv_split_shapes is None:
         return np.full((1, 1), get_muon_scale_factor(m, n, scale_mode))
