@@ -78,14 +78,16 @@ def test_scanned_and_unrolled_gpt_train_identically_at_dp4():
     assert moved > 1e-3  # the parameters really trained
 
 
+@pytest.mark.parametrize("scale_mode", ["spectral", "unit_rms_norm"])  # the second scales each piece differently
 @pytest.mark.parametrize("pipeline_muon", [False, True])
-def test_fused_qkv_split_in_sharded_step_matches_per_piece_muon(pipeline_muon):
+def test_fused_qkv_split_in_sharded_step_matches_per_piece_muon(pipeline_muon, scale_mode):
     """flax kernels are [in, out]; the step must split q/k/v along the *output* features."""
     config = dataclasses.replace(CONFIG, num_layers=1, tied_embedding=True)  # (the untied head starts at zero)
     params, loss_fn = split(config)
     batch = next(batches(1))
     lr = 0.05
-    opt = lwjax.layerwise_muon(params, mesh_of(4), learning_rate=lr, muon=EXACT,
+    opt = lwjax.layerwise_muon(params, mesh_of(4), learning_rate=lr,
+                               muon=dataclasses.replace(EXACT, scale_mode=scale_mode),
                                config=lwjax.OptimizerConfig(weight_decay=0.0, clip_grad=None,
                                                             pipeline_muon=pipeline_muon),
                                **lwjax_routing(config))
@@ -97,7 +99,8 @@ def test_fused_qkv_split_in_sharded_step_matches_per_piece_muon(pipeline_muon):
 
     def expected(split_shapes):
         # First step from zero momentum: NS normalises, so the momentum scale (1 - beta) drops out.
-        direction = muon_lib.orthogonalize(grad.T, precision="highest", qkv_split_shapes=split_shapes)
+        direction = muon_lib.orthogonalize(grad.T, precision="highest", scale_mode=scale_mode,
+                                           qkv_split_shapes=split_shapes)
         return np.asarray(kernel - lr * direction.T)
 
     assert max_rel_err(got, expected((16, 8, 8))) <= 1e-5
