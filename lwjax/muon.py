@@ -400,7 +400,7 @@ def _row_scales(shape: tuple[int, int], scale_mode, qkv_split_shapes) -> np.ndar
 
 
 def _scaled(polar: jax.Array, row_scales: np.ndarray, extra_scale_factor: float, dtype) -> jax.Array:
-    r""":math:`O = Q s \gamma` in ``dtype``, rounding as ``(Q * s) * gamma`` does there."""
+    r""":math:`O = Q s \gamma` in ``dtype``, as ``(Q * s) * gamma`` (under ``jit`` XLA may fold the constants)."""
     return polar.astype(dtype) * jnp.asarray(row_scales, dtype) * extra_scale_factor
 
 
