@@ -447,7 +447,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig(
         workload=args.workload, layers=args.layers, dp_sizes=tuple(args.dp), iters=args.iters,
-        warmup=args.warmup, param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        warmup=BenchConfig.warmup if args.warmup is None else args.warmup, param_dtype=args.param_dtype,
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
         ns_precision=args.ns_precision, policy=args.policy, bucket_size=args.bucket_size,
         baselines=args.baselines, megatron_script=args.megatron, profile_dir=args.profile, pgle=args.pgle,
         grad_std=BenchConfig.grad_std if args.grad_std is None else args.grad_std, pipeline_muon=args.pipeline_muon,
@@ -492,8 +493,9 @@ def _bench_train_step(args: argparse.Namespace) -> int:
 
     config = TrainBenchConfig(
         workload=args.workload, layers=args.layers, dp_sizes=tuple(args.dp), seq_len=args.seq_len,
-        micro_batch=args.micro_batch, remat=args.remat, iters=args.iters, warmup=args.warmup,
-        param_dtype=args.param_dtype, grad_reduce_in_fp32=args.grad_reduce_in_fp32, ns_precision=args.ns_precision,
+        micro_batch=args.micro_batch, remat=args.remat, iters=args.iters,
+        warmup=TrainBenchConfig.warmup if args.warmup is None else args.warmup, param_dtype=args.param_dtype,
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32, ns_precision=args.ns_precision,
         policy=args.policy, bucket_size=args.bucket_size, pipeline_muon=args.pipeline_muon, pgle=args.pgle,
         baselines=args.baselines,
     )
@@ -558,7 +560,8 @@ def _add_bench_parser(subparsers) -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--dp", type=_dp_list, default=[1, 2, 4, 8], help="data-parallel sizes, e.g. 1,2,4,8")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls before timing (default 8: a pipelined step's first calls run slow)")
     p.add_argument("--param-dtype", default="bfloat16")
     p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--ns-precision", "--muon-fp32-matmul-prec", dest="ns_precision",

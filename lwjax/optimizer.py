@@ -92,8 +92,10 @@ class OptimizerConfig:
         serial step's up to rounding either way, but a step that clips runs
         momentum and Newton–Schulz twice. The optimizer step alone pays off
         under XLA's profile-guided scheduling (PGLE) while clipping rarely
-        binds; a whole training step measured slower than serial, PGLE or
-        not (``lwjax bench --train-step``; see ``docs/benchmarks.md``).
+        binds. A whole training step, whose backward pass already hides the
+        serial step's reduce-scatters, measured no faster (``lwjax bench
+        --train-step``; see ``docs/benchmarks.md``). Its first few calls after
+        compiling run slower than the later ones.
     """
 
     weight_decay: float = 0.01

@@ -55,7 +55,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.bench import WORKLOADS, pgle, time_steps, warmup_calls, workload_optimizer, workload_shapes
+from lwjax.bench import WARMUP_STEPS, WORKLOADS, pgle, time_steps, warmup_calls, workload_optimizer, workload_shapes
 from lwjax.demo.devices import bytes_per_device
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.policies import DEFAULT_POLICY
@@ -262,7 +262,7 @@ class TrainBenchConfig:
         the global batch is ``micro_batch * dp``.
       remat: Recompute each layer's activations in the backward pass.
       iters: Timed steps per measurement (median reported).
-      warmup: Untimed steps first.
+      warmup: Untimed steps first (:data:`lwjax.bench.WARMUP_STEPS`).
       param_dtype: Parameter and activation dtype (the replicated optax
         contender keeps fp32 parameters and casts them in the forward).
       grad_reduce_in_fp32: lwjax reduces gradients in fp32, else in ``param_dtype``.
@@ -290,7 +290,7 @@ class TrainBenchConfig:
     micro_batch: int | None = None
     remat: bool = False
     iters: int = 10
-    warmup: int = 2
+    warmup: int = WARMUP_STEPS
     param_dtype: str = "bfloat16"
     grad_reduce_in_fp32: bool = True
     ns_precision: str = "medium"

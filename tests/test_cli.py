@@ -239,6 +239,29 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
+class _Config(Exception):
+    """Raised by a stand-in for ``run_bench`` / ``run_train_bench`` with the config it was given."""
+
+
+@pytest.mark.parametrize("argv, warmup", [((), "default"), (("--warmup", "3"), 3)], ids=["default", "given"])
+@pytest.mark.parametrize("runner", ["lwjax.bench.run_bench", "lwjax.train_bench.run_train_bench"],
+                         ids=["optimizer_step", "train_step"])
+def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, argv, warmup):
+    """Without --warmup both benches warm up ``WARMUP_STEPS`` calls (a pipelined step's first calls run slow)."""
+    import lwjax.bench
+
+    def capture(config):
+        raise _Config(config)
+
+    monkeypatch.setattr(runner, capture)
+    train = ("--train-step",) if "train" in runner else ()
+    with pytest.raises(_Config) as raised:
+        main(["bench", "--workload", "small", "--dp", "2", *train, *argv])
+    want = lwjax.bench.WARMUP_STEPS if warmup == "default" else warmup
+    assert raised.value.args[0].warmup == want
+    assert lwjax.bench.WARMUP_STEPS >= 6  # the compiling call and the 4 slow ones measured after it
+
+
 def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     """The random gradients' global norm is what --grad-std sets (std * sqrt(N / dp) for the mean), and it is reported."""
     code = main(["bench", "--workload", "small", "--layers", "1", "--dp", "2", "--iters", "1", "--warmup", "1",
