@@ -4,6 +4,7 @@ import dataclasses
 import doctest
 import functools
 import json
+import math
 import pathlib
 import re
 
@@ -396,19 +397,35 @@ def test_muon_update_passes_qkv_split_only_when_enabled(split_qkv):
 
 @pytest.mark.parametrize("precision, stored", [("medium", jnp.bfloat16), ("highest", jnp.float32)])
 def test_muon_polar_keeps_newton_schulz_dtype_and_scale_polar_makes_the_direction(precision, stored):
-    config = MuonConfig(nesterov=True, scale_mode="unit_rms_norm", extra_scale_factor=0.3, fp32_matmul_prec=precision)
-    g, m = jnp.asarray(_rng_matrix(21, 2, 16, 6)), jnp.asarray(_rng_matrix(22, 2, 16, 6))
-    polar, new_m = muon_polar(g, m, config=config, qkv_split_shapes=(4, 2, 2))
-    assert polar.dtype == stored
+    # beta = 0.75 and inputs on a 1/16 grid: the momentum and the Nesterov input are exact in fp32,
+    # whatever order they are computed in, so every check below can be bitwise or nearly.
+    beta, gamma = 0.75, 0.3
+    config = MuonConfig(momentum=beta, nesterov=True, scale_mode="unit_rms_norm", extra_scale_factor=gamma,
+                        fp32_matmul_prec=precision)
+    g, m = (np.round(_rng_matrix(seed, 2, 16, 6) * 16) / 16 for seed in (21, 22))
+    polar, new_m = muon_polar(jnp.asarray(g), jnp.asarray(m), config=config, qkv_split_shapes=(4, 2, 2))
+    assert polar.dtype == stored and new_m.dtype == jnp.float32
+    want_m = beta * m.astype(np.float64) + (1 - beta) * g
+    np.testing.assert_array_equal(np.asarray(new_m), want_m)
+    # Two query groups of (q, k, v) = (4, 2, 2) rows; each piece is one [2 * rows, 6] matrix over both groups.
+    nesterov = (g + beta * (want_m - g)).astype(np.float32).reshape(2, 2, 8, 6)
+    polar_groups = np.asarray(polar.astype(jnp.float32)).reshape(2, 2, 8, 6)
     direction = scale_polar(polar, config=config, qkv_split_shapes=(4, 2, 2))
-    expected_direction, expected_m = muon_direction(g, m, config=config, qkv_split_shapes=(4, 2, 2))
-    np.testing.assert_array_equal(np.asarray(direction), np.asarray(expected_direction))
-    np.testing.assert_array_equal(np.asarray(new_m), np.asarray(expected_m))
+    assert direction.dtype == jnp.float32
+    direction_groups = np.asarray(direction).reshape(2, 2, 8, 6)
+    for rows in (slice(0, 4), slice(4, 6), slice(6, 8)):  # q, k, v
+        size = 2 * (rows.stop - rows.start)
+        q = polar_groups[:, :, rows].reshape(2, size, 6)
+        want_q = newton_schulz(jnp.asarray(nesterov[:, :, rows].reshape(2, size, 6)), precision=precision)
+        np.testing.assert_array_equal(q, np.asarray(want_q))  # Newton–Schulz's output, not rounded again
+        # O = Q s gamma in fp32, s = sqrt(m / n) of the piece (unit_rms_norm).
+        want = q.astype(np.float64) * math.sqrt(size / 6) * gamma
+        np.testing.assert_allclose(direction_groups[:, :, rows].reshape(2, size, 6), want, rtol=1e-6, atol=0)
     # Whole matrices: Q is Newton–Schulz's own output, rounded to nothing coarser than it was computed in.
-    whole = MuonConfig(fp32_matmul_prec=precision, extra_scale_factor=0.3)
-    polar, new_m = muon_polar(g, m, config=whole)
+    whole = MuonConfig(fp32_matmul_prec=precision, extra_scale_factor=gamma)
+    polar, new_m = muon_polar(jnp.asarray(g), jnp.asarray(m), config=whole)
     direction = scale_polar(polar, config=whole)
-    expected = newton_schulz(new_m, precision=precision) * get_muon_scale_factor(16, 6) * 0.3
+    expected = newton_schulz(new_m, precision=precision) * get_muon_scale_factor(16, 6) * gamma
     np.testing.assert_array_equal(np.asarray(direction), np.asarray(expected))
 
 

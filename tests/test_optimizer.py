@@ -1,5 +1,6 @@
 """The sharded step against an unsharded reference, its communication, memory and errors."""
 
+import dataclasses
 import re
 
 import jax
@@ -298,12 +299,13 @@ def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_reco
         assert directions and directions == momenta, types
 
 
-def _serial_and_pipelined(params, grads, clip_grad=1.0, **routing):
+def _serial_and_pipelined(params, grads, clip_grad=1.0, muon=MUON, matrix_convention="in_out", **routing):
     """The same steps with the serial and the pipelined step."""
     out = []
     for pipelined in (False, True):
-        config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipelined)
-        opt = layerwise_muon(params, mesh_of(4), learning_rate=LR, muon=MUON, config=config, bucket_size=2000,
+        config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipelined,
+                                 matrix_convention=matrix_convention)
+        opt = layerwise_muon(params, mesh_of(4), learning_rate=LR, muon=muon, config=config, bucket_size=2000,
                              **routing)
         out.append((opt, *run_sharded(opt, params, grads)))
     return out
@@ -343,6 +345,29 @@ def test_pipelined_step_equals_the_serial_step(case):
         want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON)
         for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
             assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def test_serial_and_pipelined_steps_under_medium_precision_match_the_per_matrix_reference():
+    """bf16 Newton–Schulz: the bf16 Q each step carries to its apply is scaled there in fp32, per QKV piece."""
+    muon = dataclasses.replace(MUON, fp32_matmul_prec="medium")
+    params = toy_params(layers=2)
+    # Gradients on a 2^-18 grid sum exactly in any order, and the clip does not bind, so the sharded
+    # step orthogonalises the reference's fp32 matrices bit for bit: the bf16 roundings inside
+    # Newton–Schulz then match too, and one step leaves only fp32 rounding between the two.
+    grads = [[jax.tree.map(lambda g: np.round(g * 256) / 2**18, d) for d in random_grads(params, 4, steps=1)[0]]]
+    # [out, in] storage, as the reference orthogonalises. down's pieces scale by sqrt(24), 4, 4 (whole: sqrt(48)).
+    split = {"qkv_split": {"layer*/down": (24, 12, 12)}}
+    runs = _serial_and_pipelined(params, grads, muon=muon, matrix_convention="out_in", **split)
+    assert {r.path: r.qkv_split_shapes for r in runs[0][0].plan.routes}["layer0/down"] == (24, 12, 12)
+    want = reference_run(params, grads, runs[0][0].plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0,
+                         muon_config=muon)
+    for pipelined, (opt, got, _, metrics) in zip((False, True), runs):
+        assert ("recomputed" in metrics) == pipelined and not bool(metrics.get("recomputed", False))
+        assert float(metrics["clip_coef"]) == 1.0
+        for path, a, b, p in zip(opt.plan.routes, jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(params)):
+            # Measured against the step's change: bf16 scaling in the apply is off by ~1e-3 of it.
+            err = np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b - np.asarray(p)))
+            assert err <= 1e-4, (path.path, pipelined, err)
 
 
 def test_pipelined_step_recomputes_each_layer_wise_bucket_in_its_own_loop():

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax import train_bench as tb
-from lwjax.bench import workload_shapes
+from lwjax.bench import PGLE_RUNS, workload_shapes
 from lwjax.cli import main
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon, to_logical
@@ -243,12 +243,63 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
 
 
+class _Recorded:
+    """A jitted step that notes, at each call through jit, whether PGLE is on."""
+
+    def __init__(self, step, calls):
+        self.step, self.calls = step, calls
+
+    def lower(self, *args):
+        return self.step.lower(*args)
+
+    def __call__(self, *args):
+        self.calls.append(jax.config.jax_enable_pgle)
+        return self.step(*args)
+
+
+def _run_recorded(cfg, monkeypatch):
+    """run_train_bench, with each contender's calls through jit and whether each lwjax update speculates."""
+    calls, speculates = [], set()  # calls: per step built, in contender order; speculates: (muon, "recomputed")
+    lwjax_optimizer = tb.lwjax_optimizer
+
+    def recorded(make):
+        def build(*args, **kwargs):
+            calls.append([])
+            return _Recorded(make(*args, **kwargs), calls[-1])
+        return build
+
+    def optimizer(*args, muon=True, **kwargs):
+        opt = lwjax_optimizer(*args, muon=muon, **kwargs)
+
+        def update(grads, state, params):
+            new_params, new_state, metrics = opt.update(grads, state, params)
+            speculates.add((muon, "recomputed" in metrics))
+            return new_params, new_state, metrics
+        return opt._replace(update=update)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tb, "lwjax_optimizer", optimizer)
+        for name in ("lwjax_step", "optax_step", "forward_backward_step"):
+            patch.setattr(tb, name, recorded(getattr(tb, name)))
+        records = tb.run_train_bench(cfg)
+    return records, calls, speculates
+
+
 @pytest.mark.filterwarnings("ignore:PGLE collected an empty trace")  # no kernel trace on CPU; the paths still run
-def test_train_step_pipelined_under_pgle_trains_as_the_serial_step():
+def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
     """--train-step --pipeline-muon --pgle: the same steps (the jit path PGLE recompiles, speculation and all)."""
     cfg = dataclasses.replace(CFG, dp_sizes=(2,), iters=1, warmup=3, baselines=False, clip_grad=1.0)
-    serial, pipelined = (tb.run_train_bench(dataclasses.replace(cfg, pipeline_muon=on, pgle=on)) for on in (False, True))
+    (serial, serial_calls, serial_updates), (pipelined, calls, updates) = (
+        _run_recorded(dataclasses.replace(cfg, pipeline_muon=on, pgle=on), monkeypatch) for on in (False, True))
     assert [(r["pipeline_muon"], r["pgle"]) for r in pipelined] == [(True, True)] * 3
+    # The flags took effect. Serial: every call goes to the executable compiled up front, and Muon's
+    # update does not speculate. PGLE: every contender's calls go through jit with PGLE on, enough of
+    # them to profile and recompile; pipelined: Muon's update speculates (AdamW has no Muon bucket).
+    assert serial_calls == [[], [], []] and serial_updates == {(True, False), (False, False)}
+    assert len(calls) == 3 and not jax.config.jax_enable_pgle
+    for contender_calls in calls:
+        assert all(contender_calls) and len(contender_calls) > PGLE_RUNS
+    assert updates == {(True, True), (False, False)}
     for a, b in zip(serial, pipelined):
         assert a["contender"] == b["contender"]
         if "loss" in a:  # after warmup + iters + 1 steps each
