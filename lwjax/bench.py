@@ -449,7 +449,8 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
       One record per (contender, dp): ``step_ms`` (median of synchronised
       steps), ``back_to_back_ms`` (per step, back to back: :func:`time_back_to_back`; JAX
       contenders only), ``state_bytes_per_device`` (optimizer state plus fp32
-      masters held by one device), and the settings. Megatron's ``step_ms`` is
+      masters held by one device), and the settings (``warmup``: the untimed
+      calls the contender made first). Megatron's ``step_ms`` is
       its CUDA-event time of the reduce-scatter plus ``optimizer.step()``.
     """
     shapes, split = workload_shapes(cfg.workload, cfg.layers)
@@ -462,13 +463,14 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
             raise ValueError(f"BenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices.")
         mesh = Mesh(np.array(devices[:dp]), ("dp",))
         base = dict(workload=cfg.workload, layers=cfg.layers or WORKLOADS[cfg.workload]["layers"], params=numel,
-                    dp=dp, device=devices[0].device_kind, jax=jax.__version__)
+                    dp=dp, device=devices[0].device_kind, jax=jax.__version__, iters=cfg.iters, warmup=cfg.warmup)
         seconds, back_to_back, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, shapes, split, mesh)
         floor = _floor(cfg, opt, mesh)
         bucket_size = default_bucket_size(dp) if cfg.bucket_size == "auto" else cfg.bucket_size
         records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=bucket_size,
                             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, pgle=cfg.pgle, grad_std=cfg.grad_std,
                             grad_norm=grad_norm, pipeline_muon=cfg.pipeline_muon,
+                            warmup=warmup_calls(cfg.warmup, cfg.pgle),
                             step_ms=seconds * 1e3, back_to_back_ms=back_to_back * 1e3,
                             state_bytes_per_device=nbytes, **floor,
                             **({"profile": profile} if profile else {})))

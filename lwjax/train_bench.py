@@ -483,7 +483,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       ``attention`` (``"cudnn"`` where the compiled step calls cuDNN's fused
       attention, else ``"xla"``), ``grad_norm`` of that step (lwjax contenders:
       above ``clip_grad``, the clip bound, and a pipelined Muon step
-      recomputed its directions), and the settings. The Muon
+      recomputed its directions), and the settings (``warmup``: the untimed
+      calls each contender made first). The Muon
       record adds ``muon_overhead_pct``: per other contender,
       :math:`100\\,(t_\\text{Muon} / t - 1)`.
     """
@@ -504,8 +505,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
         base = dict(workload=cfg.workload, layers=model.layers, params=numel, dp=dp, seq_len=cfg.seq_len,
                     micro_batch=cfg.micro_batch, global_batch=dp * cfg.micro_batch, tokens_per_step=tokens,
                     remat=cfg.remat, param_dtype=cfg.param_dtype, model_flops_per_token=flops_per_token,
-                    pipeline_muon=cfg.pipeline_muon, pgle=cfg.pgle, device=devices[0].device_kind,
-                    jax=jax.__version__)
+                    pipeline_muon=cfg.pipeline_muon, pgle=cfg.pgle, iters=cfg.iters,
+                    warmup=warmup_calls(cfg.warmup, cfg.pgle), device=devices[0].device_kind, jax=jax.__version__)
         rows = {}
         for name in names:
             r = _run_contender(name, cfg, model, shapes, split, mesh, batch)

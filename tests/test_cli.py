@@ -270,6 +270,7 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     assert (code, err) == (0, "")
     (record,) = json.loads(out)
     assert record["contender"] == "lwjax" and record["pipeline_muon"] and record["step_ms"] > 0
+    assert (record["iters"], record["warmup"]) == (1, 1)
     assert min(record["back_to_back_ms"], record["rs_back_to_back_ms"], record["ag_back_to_back_ms"]) > 0
     assert record["floor_sum_back_to_back_ms"] == pytest.approx(
         record["rs_back_to_back_ms"] + record["ag_back_to_back_ms"] + record["ns_ms"])

@@ -240,6 +240,7 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
     assert set(muon["muon_overhead_pct"]) == {tb.ADAMW_SHARDED, tb.ADAMW_REPLICATED}
     for r in records:
         assert r["dp"] == 2 and r["tokens_per_step"] == 32 and r["step_ms"] > 0 and r["tokens_per_s"] > 0
+        assert (r["iters"], r["warmup"]) == (1, 0)
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
 
 
