@@ -94,8 +94,8 @@ class OptimizerConfig:
         under XLA's profile-guided scheduling (PGLE) while clipping rarely
         binds. A whole training step, whose backward pass already hides the
         serial step's reduce-scatters, measured no faster (``lwjax bench
-        --train-step``; see ``docs/benchmarks.md``). Its first few calls after
-        compiling run slower than the later ones.
+        --train-step``; see ``docs/benchmarks.md``), and its first few calls
+        after compiling ran slower there than the later ones.
     """
 
     weight_decay: float = 0.01
