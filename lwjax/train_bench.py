@@ -335,7 +335,7 @@ def lwjax_optimizer(params, mesh: Mesh, qkv_split, cfg: TrainBenchConfig, *, muo
 
 
 def lwjax_step(loss, optimizer: LayerwiseOptimizer):
-    """``step(params, state, batch) -> (params, state, loss, grad_norm)``: local gradients straight into ``optimizer.update``.
+    """``step(params, state, batch) -> (params, state, loss, grad_norm)``: local gradients into ``optimizer.update``.
 
     ``update`` takes each device's gradient of its local mean loss and takes the
     mean over dp itself (inside its reduce-scatter). ``params`` and ``state``

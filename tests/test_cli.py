@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import lwjax.bench
 import lwjax.layout_report
 import lwjax.presets
 from lwjax.cli import main
@@ -248,8 +249,6 @@ class _Config(Exception):
                          ids=["optimizer_step", "train_step"])
 def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, argv, warmup):
     """Without --warmup both benches warm up ``WARMUP_STEPS`` calls (a pipelined step's first calls run slow)."""
-    import lwjax.bench
-
     def capture(config):
         raise _Config(config)
 
