@@ -201,6 +201,38 @@ def test_newton_schulz_lowers_the_folded_iteration_for_cuda_only(platform, coeff
     assert grams == [product_dtype, "f32"] * 5
 
 
+def test_folded_iteration_of_a_tall_stack_is_the_transposed_iteration():
+    # tall=True iterates Y^T as stored: in float64 the same numbers as transposing in and out, and in
+    # bf16 as near the fp32 result as the transposed iteration.
+    table = muon._coefficient_schedule("quintic", 5)
+    x = _rng_matrix(5, 3, 9, 4)
+    with jax.enable_x64(True):
+        start = x.astype(np.float64) / np.linalg.norm(x, axis=(-2, -1), keepdims=True)
+        x64 = jnp.asarray(start)
+        kwargs = dict(steps=table, precision=jax.lax.Precision.HIGHEST, acc_dtype=jnp.float64)
+        stored = np.asarray(muon._iterate_folded(x64, tall=True, **kwargs))
+        transposed = np.asarray(muon._iterate_folded(jnp.swapaxes(x64, -1, -2), **kwargs)).swapaxes(-1, -2)
+    np.testing.assert_allclose(stored, transposed, rtol=0, atol=1e-12)
+    assert np.abs(stored - start).max() > 0.1  # the iteration did something
+    kwargs = dict(steps=table, precision=jax.lax.Precision.DEFAULT, acc_dtype=jnp.float32)
+    y = jnp.asarray(x / np.linalg.norm(x, axis=(-2, -1), keepdims=True)).astype(jnp.bfloat16)
+    with jax.disable_jit():
+        stored = np.asarray(muon._iterate_folded(y, tall=True, **kwargs).astype(jnp.float32))
+        transposed = np.asarray(muon._iterate_folded(jnp.swapaxes(y, -1, -2), **kwargs).astype(jnp.float32))
+    np.testing.assert_allclose(stored, transposed.swapaxes(-1, -2), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("platform, transposes, products", [("cuda", 0, ["8x8xbf16", "8x8xf32", "24x8xbf16"]),
+                                                             ("cpu", 7, ["8x8xf32", "8x8xf32", "8x24xf32"])])
+def test_newton_schulz_on_cuda_iterates_a_tall_matrix_as_stored(platform, transposes, products):
+    # Off CUDA a tall matrix is transposed in and out (Megatron's order); on CUDA the products contract
+    # the axes they need, with no transpose pass, and each update comes out [24, 8].
+    fn = jax.jit(lambda x: newton_schulz(x, "quintic", precision="medium"))
+    text = jax.export.export(fn, platforms=[platform])(jnp.ones((24, 8), jnp.float32)).mlir_module()
+    assert len(re.findall("stablehlo.transpose", text)) == transposes
+    assert re.findall(r"stablehlo.dot_general.*-> tensor<(\w+)>", text) == products * 5
+
+
 @pytest.mark.parametrize("coefficient_type", COEFFICIENT_TYPES)
 def test_newton_schulz_on_cuda_stays_as_near_fp32_as_megatrons_order(coefficient_type):
     # 24 matrices 64 x 256 whose top singular value takes 0.05..0.99 of the Frobenius norm, the rest
