@@ -342,10 +342,11 @@ def layerwise_muon(
         """
         buffer = plan.buffers[i]
         if buffer.key.is_layer_wise:
-            if directions is None:
-                directions = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose)
+            checked = directions is None  # computed here, after the finite check
+            if checked:
+                directions = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose, finite)
             return step_lib.muon_apply(buffer, k, master, moments, directions, rank, finite, lr_m,
-                                       config.weight_decay, muon, transpose)
+                                       config.weight_decay, muon, transpose, momentum_final=checked)
         lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
         decay = step_lib.per_element(buffer, k, rank, decay_of)
         new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)

@@ -222,59 +222,106 @@ def _with_scratch(flat: jax.Array, scratch: int) -> jax.Array:
     return jnp.concatenate([flat, jnp.zeros(scratch, flat.dtype)]) if scratch else flat
 
 
-def _take(flat: jax.Array, offsets: jax.Array, shape: tuple[int, int], transpose: bool) -> jax.Array:
-    """The stack ``[w, m, n]`` of matrices starting at ``offsets`` (``[w, n, m]`` when ``transpose``)."""
+def _block_start(offsets, shape: tuple[int, int]) -> int | None:
+    """Where a slot group's matrices start as one back-to-back block of the shard, if they form one.
+
+    Only for offsets that every rank shares (static). The block's matrices
+    are then read and written in place order, which may differ from slot
+    order; the batch's order does not matter as long as both agree.
+    """
+    if not isinstance(offsets, np.ndarray):
+        return None
+    ordered = np.sort(offsets)
+    return int(ordered[0]) if np.all(np.diff(ordered) == shape[0] * shape[1]) else None
+
+
+def _take(flat: jax.Array, offsets, shape: tuple[int, int], transpose: bool) -> jax.Array:
+    """The stack ``[w, m, n]`` of matrices starting at ``offsets`` (``[w, n, m]`` when ``transpose``).
+
+    One static slice where :func:`_block_start` finds a block, else a gather.
+    """
     m, n = shape
-    x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets).reshape(-1, m, n)
+    start = _block_start(offsets, shape)
+    if start is not None:
+        x = lax.slice(flat, (start,), (start + len(offsets) * m * n,)).reshape(-1, m, n)
+    else:
+        offsets = jnp.asarray(offsets, jnp.int32)
+        x = jax.vmap(lambda start: lax.dynamic_slice(flat, (start,), (m * n,)))(offsets).reshape(-1, m, n)
     return jnp.swapaxes(x, -1, -2) if transpose else x
 
 
-def muon_directions(buffer, bucket, momentum, grad, rank, muon_config, transpose) -> list[tuple[jax.Array, jax.Array]]:
+def _put(flat: jax.Array, offsets, stack: jax.Array) -> jax.Array:
+    """Write a ``[w, m, n]`` stack read by :func:`_take` (untransposed) back into ``flat``.
+
+    A block is written by one update, or replaces ``flat`` when it fills it:
+    per-matrix updates of one buffer make XLA copy the whole buffer first,
+    since each matrix's new value was computed from the buffer before the
+    first update.
+    """
+    start = _block_start(offsets, stack.shape[-2:])
+    if start is not None:
+        if start == 0 and stack.size == flat.size:
+            return stack.reshape(-1)
+        return lax.dynamic_update_slice(flat, stack.reshape(-1), (start,))
+    for j in range(stack.shape[0]):
+        flat = lax.dynamic_update_slice(flat, stack[j].reshape(-1), (offsets[j],))
+    return flat
+
+
+def muon_directions(buffer, bucket, momentum, grad, rank, muon_config, transpose, finite=None
+                    ) -> list[tuple[jax.Array, jax.Array]]:
     """Phase 4a of one layer-wise bucket: per slot group, the unscaled Muon direction and new momentum of its matrices.
 
-    Reads this rank's matrices with one gather per slot group (same shape and
-    multipliers); needs neither the master weights nor the finite check, so it
-    can run as soon as the bucket's gradient shard has arrived. Each direction
-    is :func:`~lwjax.muon.muon_polar`'s, bf16 under ``"medium"``: it waits for
-    :func:`muon_apply` in half the bytes, and is scaled there.
+    Reads this rank's matrices with one slice or gather per slot group (same
+    shape and multipliers); needs neither the master weights nor the finite
+    check, so it can run as soon as the bucket's gradient shard has arrived.
+    Each direction is :func:`~lwjax.muon.muon_polar`'s, bf16 under
+    ``"medium"``: it waits for :func:`muon_apply` in half the bytes, and is
+    scaled there. Given ``finite``, a skipped step's gradient is replaced by
+    the momentum, so the new momentum is the old one and :func:`muon_apply`
+    need not select it (``momentum_final=True``).
     """
     groups, scratch = _slot_groups(buffer, bucket)
+    if finite is not None:
+        grad = jnp.where(finite, grad, momentum)
     momentum, grad = _with_scratch(momentum, scratch), _with_scratch(grad, scratch)
     out = []
     for group in groups:
-        offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
+        offsets = rank_row(group.offsets, rank)
         out.append(muon_lib.muon_polar(
             _take(grad, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose),
             config=muon_config, qkv_split_shapes=group.qkv_split_shapes))
     return out
 
 
-def muon_apply(buffer, bucket, master, momentum, directions, rank, finite, lr, weight_decay, muon_config, transpose):
+def muon_apply(buffer, bucket, master, momentum, directions, rank, finite, lr, weight_decay, muon_config, transpose,
+               momentum_final=False):
     """Phase 4b of one layer-wise bucket: apply :func:`muon_directions`' output to the master shard.
 
     Group ``j`` steps with learning rate ``lr * lr_mult_j`` and weight decay
     ``weight_decay * wd_mult_j``; matrices are written back in place. Returns
     the new master and momentum shards (the old ones where ``finite`` is
-    false) and the sum of squared master changes.
+    false; ``momentum_final``: the directions' momentum already is) and the
+    sum of squared master changes.
     """
     groups, scratch = _slot_groups(buffer, bucket)
     size = buffer.shard_sizes[bucket]
     master, momentum = _with_scratch(master, scratch), _with_scratch(momentum, scratch)
     delta_sq = jnp.zeros([], master.dtype)
     for group, (polar, new_m) in zip(groups, directions):
-        offsets = jnp.asarray(rank_row(group.offsets, rank), jnp.int32)
-        old_p, old_m = _take(master, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose)
+        offsets = rank_row(group.offsets, rank)
+        old_p = _take(master, offsets, group.shape, transpose)
         direction = muon_lib.scale_polar(polar, config=muon_config, qkv_split_shapes=group.qkv_split_shapes,
                                          dtype=master.dtype)
         new_p = muon_lib.apply_direction(old_p, direction, learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
                                          weight_decay=weight_decay * group.wd_mult)
-        new_p, new_m = jnp.where(finite, new_p, old_p), jnp.where(finite, new_m, old_m)
+        new_p = jnp.where(finite, new_p, old_p)
+        if not momentum_final:
+            new_m = jnp.where(finite, new_m, _take(momentum, offsets, group.shape, transpose))
         delta_sq += jnp.sum(jnp.square(new_p - old_p))
         if transpose:
             new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
-        for j in range(group.width):
-            master = lax.dynamic_update_slice(master, new_p[j].reshape(-1), (offsets[j],))
-            momentum = lax.dynamic_update_slice(momentum, new_m[j].reshape(-1), (offsets[j],))
+        master, momentum = _put(master, offsets, new_p), _put(momentum, offsets, new_m)
     return master[:size], momentum[:size], delta_sq
 
 
