@@ -90,7 +90,8 @@ class OptimizerConfig:
         1: after the norm, the directions are kept or computed again from the
         clipped gradients (``metrics["recomputed"]``), so the result is the
         serial step's up to rounding either way, but a step that clips runs
-        momentum and Newton–Schulz twice. The optimizer step alone pays off
+        momentum and Newton–Schulz twice (so does a step with non-finite
+        gradients, which is then skipped). The optimizer step alone pays off
         under XLA's profile-guided scheduling (PGLE) while clipping rarely
         binds. A whole training step, whose backward pass already hides the
         serial step's reduce-scatters, measured no faster (``lwjax bench
@@ -330,21 +331,22 @@ def layerwise_muon(
     layer_wise_steps = [s for s in schedule.steps if s.layer_wise]
     muon_groups = sorted({group_of[leaf] for leaf, r in enumerate(plan.routes) if r.is_muon})
 
-    def update_bucket(i: int, k: int, master, moments, grad, directions, rank, finite, lr_m, lr_a):
+    def update_bucket(i: int, k: int, master, moments, grad, directions, checked, rank, finite, lr_m, lr_a):
         """Phase 4 for one bucket: this device's new master shard and optimizer state.
 
         ``moments`` is the Muon momentum of a layer-wise bucket, else the
         elementwise optax state; ``directions`` the bucket's
-        :func:`~lwjax.sharded_step.muon_directions` if already computed. Where
+        :func:`~lwjax.sharded_step.muon_directions` if already computed
+        (``checked``: with the finite check, so their momentum is final). Where
         ``finite`` is false everything keeps its old value; the select is fused
         into the update rather than branched on, so no host round trip stalls
         the all-gathers. Also returns the sum of squared master changes.
         """
         buffer = plan.buffers[i]
         if buffer.key.is_layer_wise:
-            checked = directions is None  # computed here, after the finite check
-            if checked:
-                directions = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose, finite)
+            if directions is None:
+                directions, checked = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose,
+                                                               finite), True
             return step_lib.muon_apply(buffer, k, master, moments, directions, rank, finite, lr_m,
                                        config.weight_decay, muon, transpose, momentum_final=checked)
         lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
@@ -352,14 +354,16 @@ def layerwise_muon(
         new_master, new_tx_state = step_lib.elementwise_shard(tx, master, moments, grad, finite, lr_a, lr_mult, decay)
         return new_master, new_tx_state, jnp.sum(jnp.square(new_master - master))
 
-    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite, directions=None):
+    def update_and_gather(state: LayerwiseState, shards, ranks, norm_groups, coefs, finite, directions=None,
+                          checked=False):
         """Phases 4-5 bucket by bucket in the schedule's order: new masters, moments and gathered buckets.
 
         One optimization barrier per bucket pins the order and makes the
         gathers due by then land first, so each gather runs during the later
         update the schedule chose for it rather than after the last one.
         ``directions`` maps ``(buffer, bucket)`` to precomputed Muon
-        directions. Also returns the sum of squared master changes.
+        directions (``checked``: final after the finite check, see
+        :func:`redo_if_clipped`). Also returns the sum of squared master changes.
         """
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters = [list(b) for b in state.masters]
@@ -377,8 +381,8 @@ def layerwise_muon(
                 gathered[a][b] = x
             if config.clip_grad and own is None:
                 grad = step_lib.clip_shard(grad, norm_groups[i][k], coefs)
-            masters[i][k], moments[i][k], d = update_bucket(i, k, master, moment, grad, own, ranks[i], finite,
-                                                            lr_m, lr_a)
+            masters[i][k], moments[i][k], d = update_bucket(i, k, master, moment, grad, own, checked, ranks[i],
+                                                            finite, lr_m, lr_a)
             delta_sq += d
             buffer = plan.buffers[i]
             previous = masters[i][k].astype(buffer.key.param_dtype)
@@ -409,19 +413,22 @@ def layerwise_muon(
         ``lax.cond`` copies what it passes through, and a loop per bucket lets
         each bucket's update and gather start without waiting for every other
         bucket's Newton–Schulz. (On GPU each loop reads its predicate on the
-        host; at dp 4 that cost nothing measurable.) A step with non-finite
-        gradients is skipped anyway, so it recomputes nothing. Also returns
-        whether it recomputed.
+        host; at dp 4 that cost nothing measurable.) The loops of a step with
+        non-finite gradients run too, on the momentum in place of the gradient
+        (``finite`` of :func:`~lwjax.sharded_step.muon_directions`): the step is
+        skipped, and every momentum that comes out is final, so the update
+        selects none. Also returns whether the clip made it recompute.
         """
         clipped = finite & jnp.logical_not(jnp.all(coefs[np.asarray(muon_groups)] == 1))
+        redo = clipped | jnp.logical_not(finite)
         out = {}
         for (i, k), speculative in directions.items():
             def recompute(_, i=i, k=k):
                 grad = step_lib.clip_shard(shards[i][k], norm_groups[i][k], coefs)
                 return False, step_lib.muon_directions(plan.buffers[i], k, state.momenta[i][k], grad, ranks[i], muon,
-                                                       transpose)
+                                                       transpose, finite)
 
-            _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (clipped, speculative))
+            _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (redo, speculative))
         return out, clipped
 
     def update(grads, state: LayerwiseState, params):
@@ -446,7 +453,7 @@ def layerwise_muon(
             directions, recomputed = redo_if_clipped(directions, state, shards, ranks, norm_groups, coefs, finite)
         # 4-5. Update each bucket and gather it, in the schedule's order.
         masters, moments, gathered, delta_sq = update_and_gather(state, shards, ranks, norm_groups, coefs, finite,
-                                                                 directions)
+                                                                 directions, checked=bool(speculated))
         new_state = LayerwiseState(
             jnp.where(finite, state.count + 1, state.count),
             tuple(tuple(m) for m in masters),
