@@ -344,9 +344,9 @@ def layerwise_muon(
         """
         buffer = plan.buffers[i]
         if buffer.key.is_layer_wise:
-            if directions is None:
-                directions, checked = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose,
-                                                               finite), True
+            if directions is None:  # computed after the finite check, so their momentum is final
+                directions = step_lib.muon_directions(buffer, k, moments, grad, rank, muon, transpose, finite)
+                checked = True
             return step_lib.muon_apply(buffer, k, master, moments, directions, rank, finite, lr_m,
                                        config.weight_decay, muon, transpose, momentum_final=checked)
         lr_mult = step_lib.per_element(buffer, k, rank, lr_mult_of)
