@@ -546,6 +546,7 @@ def muon_polar(
     *,
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
+    skip: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""The half of :func:`muon_update` that needs no parameter, before its scale: new momentum and :math:`Q`.
 
@@ -559,6 +560,11 @@ def muon_polar(
     Newton–Schulz's storage dtype, bf16 under ``"medium"``: what waits between
     the two halves takes half the bytes of the fp32 direction.
 
+    ``skip`` (a boolean scalar, e.g. traced) marks a skipped step: the old
+    momentum comes back bit for bit and :math:`Q` means nothing. The select
+    comes before :math:`\mathrm{NS}` reads the momentum, so XLA can compute
+    the new momentum and its norm in one pass.
+
     Returns:
       ``(polar, new_momentum)``.
 
@@ -568,7 +574,8 @@ def muon_polar(
     _check_config("muon_polar", config)
     _check_same_matrices("muon_polar", grad=grad, momentum=momentum)
     beta = config.momentum
-    momentum = _lerp(momentum, grad, 1.0 - beta)
+    new = _lerp(momentum, grad, 1.0 - beta)
+    momentum = new if skip is None else jnp.where(skip, momentum, new)
     update = _lerp(grad, momentum, beta) if config.nesterov else momentum
     split = qkv_split_shapes if config.split_qkv else None
     return _polar(update, config.coefficient_type, config.num_ns_steps, config.fp32_matmul_prec, split), momentum

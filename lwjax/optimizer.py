@@ -363,7 +363,7 @@ def layerwise_muon(
         update the schedule chose for it rather than after the last one.
         ``directions`` maps ``(buffer, bucket)`` to precomputed Muon
         directions (``checked``: final after the finite check, see
-        :func:`redo_if_clipped`). Also returns the sum of squared master changes.
+        :func:`keep_or_redo`). Also returns the sum of squared master changes.
         """
         lr_m, lr_a = muon_lr(state.count), adam_lr(state.count)
         masters = [list(b) for b in state.masters]
@@ -405,19 +405,24 @@ def layerwise_muon(
                                                                    transpose)
         return directions
 
-    def redo_if_clipped(directions, state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
-        """The speculative directions if no Muon matrix's clip coefficient is below 1, else those of the clipped gradients.
+    def keep_or_redo(directions, state: LayerwiseState, shards, ranks, norm_groups, coefs, finite):
+        """The speculative directions where they hold, else each bucket's directions computed again.
+
+        They hold if no Muon matrix's clip coefficient is below 1 and the
+        gradients are finite; otherwise they come again from the clipped
+        gradients, with the finite check.
 
         Each bucket's recomputation is the body of its own ``while_loop`` that
         runs at most once: a loop's carry is updated in place, where a
         ``lax.cond`` copies what it passes through, and a loop per bucket lets
         each bucket's update and gather start without waiting for every other
         bucket's Newton–Schulz. (On GPU each loop reads its predicate on the
-        host; at dp 4 that cost nothing measurable.) The loops of a step with
-        non-finite gradients run too, on the momentum in place of the gradient
-        (``finite`` of :func:`~lwjax.sharded_step.muon_directions`): the step is
-        skipped, and every momentum that comes out is final, so the update
-        selects none. Also returns whether the clip made it recompute.
+        host; at dp 4 that cost nothing measurable.) A step with non-finite
+        gradients is skipped, but its loops run too: with the finite check they
+        hand back the old momentum (``finite`` of
+        :func:`~lwjax.sharded_step.muon_directions`), so every momentum that
+        comes out is final and the update selects none. Also returns whether
+        the clip made it recompute.
         """
         clipped = finite & jnp.logical_not(jnp.all(coefs[np.asarray(muon_groups)] == 1))
         redo = clipped | jnp.logical_not(finite)
@@ -450,7 +455,7 @@ def layerwise_muon(
         coefs = step_lib.clip_coefficients(norms, config.clip_grad)
         speculated = config.pipeline_muon and config.clip_grad and layer_wise_steps
         if speculated:
-            directions, recomputed = redo_if_clipped(directions, state, shards, ranks, norm_groups, coefs, finite)
+            directions, recomputed = keep_or_redo(directions, state, shards, ranks, norm_groups, coefs, finite)
         # 4-5. Update each bucket and gather it, in the schedule's order.
         masters, moments, gathered, delta_sq = update_and_gather(state, shards, ranks, norm_groups, coefs, finite,
                                                                  directions, checked=bool(speculated))

@@ -260,7 +260,7 @@ def _put(flat: jax.Array, offsets, stack: jax.Array) -> jax.Array:
     """
     start = _block_start(offsets, stack.shape[-2:])
     if start is not None:
-        if start == 0 and stack.size == flat.size:
+        if stack.size == flat.size:
             return stack.reshape(-1)
         return lax.dynamic_update_slice(flat, stack.reshape(-1), (start,))
     for j in range(stack.shape[0]):
@@ -273,24 +273,22 @@ def muon_directions(buffer, bucket, momentum, grad, rank, muon_config, transpose
     """Phase 4a of one layer-wise bucket: per slot group, the unscaled Muon direction and new momentum of its matrices.
 
     Reads this rank's matrices with one slice or gather per slot group (same
-    shape and multipliers); needs neither the master weights nor the finite
-    check, so it can run as soon as the bucket's gradient shard has arrived.
-    Each direction is :func:`~lwjax.muon.muon_polar`'s, bf16 under
-    ``"medium"``: it waits for :func:`muon_apply` in half the bytes, and is
-    scaled there. Given ``finite``, a skipped step's gradient is replaced by
-    the momentum, so the new momentum is the old one and :func:`muon_apply`
-    need not select it (``momentum_final=True``).
+    shape and multipliers); needs no master weights, so it can run as soon as
+    the bucket's gradient shard has arrived. Each direction is
+    :func:`~lwjax.muon.muon_polar`'s, bf16 under ``"medium"``: it waits for
+    :func:`muon_apply` in half the bytes, and is scaled there. Given the
+    step's ``finite`` check, a skipped step's momentum comes back unchanged, so
+    :func:`muon_apply` need not select it (``momentum_final=True``).
     """
     groups, scratch = _slot_groups(buffer, bucket)
-    if finite is not None:
-        grad = jnp.where(finite, grad, momentum)
     momentum, grad = _with_scratch(momentum, scratch), _with_scratch(grad, scratch)
+    skip = None if finite is None else jnp.logical_not(finite)
     out = []
     for group in groups:
         offsets = rank_row(group.offsets, rank)
         out.append(muon_lib.muon_polar(
             _take(grad, offsets, group.shape, transpose), _take(momentum, offsets, group.shape, transpose),
-            config=muon_config, qkv_split_shapes=group.qkv_split_shapes))
+            config=muon_config, qkv_split_shapes=group.qkv_split_shapes, skip=skip))
     return out
 
 

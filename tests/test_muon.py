@@ -222,6 +222,19 @@ def test_folded_iteration_of_a_tall_stack_is_the_transposed_iteration():
     np.testing.assert_allclose(stored, transposed.swapaxes(-1, -2), rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("shape", [(2, 12, 5), (2, 5, 12)], ids=["tall", "wide"])
+def test_newton_schulz_cuda_branch_is_megatrons_result_up_to_rounding(monkeypatch, shape):
+    # The CUDA branch (normalisation, then the folded iteration, tall matrices as stored) run here on
+    # the CPU in fp32: the same numbers as Megatron's order up to rounding. The input is far from unit
+    # norm, so a branch that skipped the normalisation would diverge.
+    x = jnp.asarray(_rng_matrix(7, *shape) * 30)
+    megatron = np.asarray(newton_schulz(x, precision="highest"))
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    on_cuda = np.asarray(newton_schulz(x, precision="highest"))
+    np.testing.assert_allclose(on_cuda, megatron, rtol=0, atol=2e-5)
+    assert np.abs(megatron).max() > 0.1
+
+
 @pytest.mark.parametrize("platform, transposes, products", [("cuda", 0, ["8x8xbf16", "8x8xf32", "24x8xbf16"]),
                                                              ("cpu", 7, ["8x8xf32", "8x8xf32", "8x24xf32"])])
 def test_newton_schulz_on_cuda_iterates_a_tall_matrix_as_stored(platform, transposes, products):
@@ -425,6 +438,22 @@ def test_muon_update_passes_qkv_split_only_when_enabled(split_qkv):
     expected = orthogonalize(jnp.asarray(0.05 * g), precision="highest",
                              qkv_split_shapes=(4, 2, 2) if split_qkv else None)
     np.testing.assert_allclose(np.asarray(new_p), -np.asarray(expected), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_muon_polar_skip_hands_back_the_momentum_bit_for_bit(nesterov):
+    config = MuonConfig(nesterov=nesterov)
+    momentum = _rng_matrix(11, 2, 6, 8)
+    momentum[0, 0, :3] = [-0.0, 1e-40, -1e-41]  # bits arithmetic would not keep (CPU flushes subnormals)
+    grad = _rng_matrix(12, 2, 6, 8)
+    grad[1, 2, 3] = np.nan
+    _, kept = muon_polar(jnp.asarray(grad), jnp.asarray(momentum), config=config, skip=jnp.asarray(True))
+    assert np.asarray(kept).tobytes() == momentum.tobytes()
+    grad[1, 2, 3] = 0.5
+    want = muon_polar(jnp.asarray(grad), jnp.asarray(momentum), config=config)
+    got = muon_polar(jnp.asarray(grad), jnp.asarray(momentum), config=config, skip=jnp.asarray(False))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("precision, stored", [("medium", jnp.bfloat16), ("highest", jnp.float32)])

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax import sharded_step
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon
 from lwjax.policies import POLICIES
@@ -389,7 +390,7 @@ def test_pipelined_step_skips_nonfinite_gradients(clip_grad):
     grads[1][2]["layer1"]["up"][0, 0] = np.inf
     (_, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=clip_grad)
     assert bool(m0["skipped"]) and bool(m1["skipped"])
-    assert not m1.get("recomputed", False)  # a skipped step has nothing to recompute
+    assert not m1.get("recomputed", False)  # the metric reports the clip; a skipped step's loops run anyway
     _assert_same_steps((p0, s0), (p1, s1))
     (_, p2, s2, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
     _assert_same_steps((p1, s1), (p2, s2))  # the skipped step changed nothing
@@ -404,3 +405,58 @@ def test_pipelined_step_without_clipping_matches_reference():
     want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=None, muon_config=MUON)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+@pytest.mark.parametrize("pipeline_muon", [False, True])
+@pytest.mark.parametrize("matrix_convention", ["out_in", "in_out"])
+def test_stacked_qkv_matrices_read_as_one_block_match_the_reference(matrix_convention, pipeline_muon):
+    """Each rank's QKV and output matrices lie back to back: one slice in, one update out, either storage."""
+    rng = np.random.default_rng(3)
+    layers = 8
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)  # noqa: E731
+    params = {"embed": w(64, 16), "layers": {"qkv": w(layers, 32, 16), "o": w(layers, 16, 16)}}  # [out, in]
+    grads = [[jax.tree.map(lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), params) for _ in range(2)]
+             for _ in range(3)]
+    stored = (lambda t: t) if matrix_convention == "out_in" else (  # noqa: E731
+        lambda t: {"embed": t["embed"], "layers": jax.tree.map(lambda x: x.swapaxes(-1, -2), t["layers"])})
+    config = OptimizerConfig(weight_decay=0.1, clip_grad=1.0, pipeline_muon=pipeline_muon,
+                             matrix_convention=matrix_convention)
+    opt = layerwise_muon(stored(params), mesh_of(2), learning_rate=LR, muon=MUON, config=config, bucket_size=None,
+                         stacked={"layers/*": 1}, qkv_split={"layers/qkv": (4, 2, 2)})
+    blocks = [(g.shape, g.width) for b in opt.plan.buffers for g in b.slot_groups
+              if all(r == g.offsets[0] for r in g.offsets)
+              and sharded_step._block_start(np.asarray(g.offsets[0]), g.shape) is not None]
+    assert {width for _, width in blocks} == {4} and len(blocks) == 2  # the QKV group and the output group
+    got, _, metrics = run_sharded(opt, stored(params), [[stored(g) for g in step] for step in grads])
+    reference = layerwise_muon(params, mesh_of(2), config=dataclasses.replace(config, matrix_convention="out_in"),
+                               bucket_size=None, stacked={"layers/*": 1}, qkv_split={"layers/qkv": (4, 2, 2)})
+    want = reference_run(params, grads, reference.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0,
+                         muon_config=MUON)
+    assert float(metrics["clip_coef"]) < 1  # the clip binds: the pipelined step recomputes
+    for a, b in zip(jax.tree.leaves(stored(got) if matrix_convention == "in_out" else got), jax.tree.leaves(want)):
+        assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def _with_bits(x: jax.Array, rng) -> jax.Array:
+    """``x`` with -0.0 and subnormal entries scattered in (arithmetic on them would not keep their bits)."""
+    values = np.asarray(x).copy()
+    picks = rng.choice(values.size, size=(2, max(1, values.size // 16)), replace=False)
+    values[picks[0]], values[picks[1]] = -0.0, np.float32(1e-40)
+    return jax.device_put(values, x.sharding)
+
+
+@pytest.mark.parametrize("pipeline_muon, clip_grad", [(False, 1.0), (True, 1.0), (True, None)])
+def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
+    params = toy_params()
+    config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipeline_muon)
+    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=config, bucket_size=2000)
+    rng = np.random.default_rng(4)
+    state = opt.init(params)
+    state = state._replace(momenta=jax.tree.map(lambda m: _with_bits(m, rng), state.momenta),
+                           masters=jax.tree.map(lambda m: _with_bits(m, rng), state.masters))
+    bad = random_grads(params, 4, steps=1)[0]
+    bad[3]["layer2"]["wo"][1, 1] = np.nan
+    _, new_state, metrics = _step_fn(opt)(params, state, _stacked(opt, bad))
+    assert bool(metrics["skipped"])
+    for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
+        assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
