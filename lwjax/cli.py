@@ -473,6 +473,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             table.add_row(f"  floor: RS {r['rs_ms']:.2f} + AG {r['ag_ms']:.2f} + NS {r['ns_ms']:.2f} ms", str(r["dp"]),
                           f"{r['floor_sum_ms']:.2f}", f"{r['floor_sum_back_to_back_ms']:.2f}",
                           f"{r['floor_sum_ms'] / r['step_ms']:.2f}x", "", style="dim")
+        if "floor_sum_computed_ms" in r and r["floor_sum_computed_ms"] != r["floor_sum_ms"]:
+            table.add_row(f"  the same, FLOPs lwjax computes: NS {r['ns_computed_ms']:.2f} ms", str(r["dp"]),
+                          f"{r['floor_sum_computed_ms']:.2f}", "", f"{r['floor_sum_computed_ms'] / r['step_ms']:.2f}x",
+                          "", style="dim")
     _console().print(table)
     return 0
 

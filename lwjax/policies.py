@@ -26,7 +26,7 @@ ping-pong ownership, used by Megatron when no layout is given, is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from lwjax.layout import (
@@ -60,12 +60,16 @@ DEFAULT_NUM_NS_STEPS = 5
 
 
 def ns_flops(shape: Sequence[int], num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
-             qkv_split_shapes: Sequence[int] | None = None) -> int:
+             qkv_split_shapes: Sequence[int] | None = None, *,
+             symmetric_share: Callable[[int, int], float] | None = None) -> int:
     """Newton–Schulz FLOPs of one optimizer step for a matrix of ``shape``.
 
     ``num_ns_steps * (4 * s**2 * l + 2 * s**3)`` with ``s = min(m, n)``,
     ``l = max(m, n)``; ``0`` for anything that is not 2-D. With a QKV split
     (rows as stored), each of the q, k and v blocks is orthogonalised on its own.
+    ``symmetric_share(s, l)``, if given, is the share of the two symmetric
+    products (:math:`X X^\\top`: ``2 * s**2 * l``, :math:`A^2`: ``2 * s**3``)
+    that is computed, for a kernel that skips one triangle.
     """
     if len(shape) != 2:
         return 0
@@ -74,9 +78,13 @@ def ns_flops(shape: Sequence[int], num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
         if rest:
             raise ValueError(f"ns_flops: {shape[0]} rows do not divide into q/k/v groups of {sum(qkv_split_shapes)} "
                              f"(qkv_split_shapes={tuple(qkv_split_shapes)}).")
-        return sum(ns_flops((groups * rows, shape[1]), num_ns_steps) for rows in qkv_split_shapes)
+        return sum(ns_flops((groups * rows, shape[1]), num_ns_steps, symmetric_share=symmetric_share)
+                   for rows in qkv_split_shapes)
     s, l = sorted(shape)
-    return num_ns_steps * (4 * s * s * l + 2 * s**3)
+    symmetric, update = 2 * s * s * l + 2 * s**3, 2 * s * s * l
+    if symmetric_share is not None:
+        symmetric = round(symmetric * symmetric_share(s, l))
+    return num_ns_steps * (symmetric + update)
 
 
 class _BucketWriter:

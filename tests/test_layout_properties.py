@@ -215,3 +215,10 @@ def test_ns_flops_formula():
     assert ns_flops((4096, 64), 5, (1024, 512, 512)) == sum(ns_flops((2 * r, 64)) for r in (1024, 512, 512))
     with pytest.raises(ValueError, match="do not divide"):
         ns_flops((3000, 64), 5, (1024, 512, 512))
+    # A kernel computing a share of the two symmetric products (X X^T and A^2); the update product is whole.
+    half = ns_flops((8, 4), 1, symmetric_share=lambda s, l: 0.5 if (s, l) == (4, 8) else 1.0)
+    assert half == (2 * 4 * 4 * 8 + 2 * 4**3) // 2 + 2 * 4 * 4 * 8
+    assert ns_flops((4096, 64), 5, (1024, 512, 512), symmetric_share=lambda s, l: 0.5 if l == 2048 else 1.0) == sum(
+        ns_flops((2 * r, 64), symmetric_share=lambda s, l: 0.5 if l == 2048 else 1.0) for r in (1024, 512, 512))
+    assert ns_flops((4096, 64), 5, (1024, 512, 512), symmetric_share=lambda s, l: 0.5) < ns_flops(
+        (4096, 64), 5, (1024, 512, 512))
