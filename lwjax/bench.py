@@ -360,6 +360,19 @@ def _bench_optax(cfg: BenchConfig, shapes, mesh):
     return seconds, back_to_back, state_bytes
 
 
+def computed_share(device, ns_precision: str):
+    """``ns_flops``' ``symmetric_share`` for the Newton–Schulz that runs on ``device``, or ``None`` (full products).
+
+    The upper-tile kernel (:mod:`lwjax.gram`) runs where ``newton_schulz`` takes
+    its CUDA branch, under ``"medium"`` and with a folded coefficient table
+    (the bench's quintic); asking ``lax.platform_dependent`` on the device
+    itself tells CUDA from other GPUs.
+    """
+    probe = jax.jit(lambda x: jax.lax.platform_dependent(x, cuda=lambda x: x + 1, default=lambda x: x))
+    on_cuda = int(probe(jax.device_put(jnp.int32(0), device))) == 1
+    return gram.computed_share if on_cuda and ns_precision == "medium" else None
+
+
 def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     """The no-overlap floor of one step on these devices, measured in JAX.
 
@@ -395,10 +408,9 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
         return time_steps(call, (), cfg.iters, cfg.warmup)[0], time_back_to_back(call, (), cfg.iters)[0]
 
     (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
-    # Megatron's FLOPs (full products), and those lwjax runs: on CUDA in bf16 the symmetric
-    # products of big enough matrices compute only their upper tiles (lwjax.gram).
+    # Megatron's FLOPs (full products), and those lwjax computes.
     platform = mesh.devices.flat[0].platform
-    share = gram.computed_share if platform == "gpu" and cfg.ns_precision == "medium" else None
+    share = computed_share(mesh.devices.flat[0], cfg.ns_precision)
     flops, computed = [0] * dp, [0] * dp
     for buffer in plan.buffers:
         for group in buffer.slot_groups:

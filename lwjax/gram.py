@@ -11,10 +11,12 @@ each off-diagonal tile a second time, transposed, below it:
 
 which is nearly half the multiply-adds and an exactly symmetric result. Each tile
 accumulates in fp32 over ``BLOCK_K``-wide slices of the contracted axis, then
-rounds once to the output dtype. On one H100 the whole quintic × 5 iteration of
-the 8b workload's matrices ran 1.2× faster than with XLA's products, and
-bitwise equal (docs/benchmarks.md); below ``MIN_SIZE`` rows the kernel's
-smaller tiles lose to cuBLAS, so :func:`fits` turns it down there.
+rounds once to the output dtype. Below ``MIN_SIZE`` the kernel's tiles lose to
+cuBLAS, so :func:`fits` turns those stacks down (timings: docs/benchmarks.md).
+
+The kernel needs a GPU with bf16 tensor cores (Ampere or newer). It has no
+sharding rule: call it on device-local stacks (inside ``shard_map``, as the
+optimizer does), or XLA gathers a sharded stack onto every device first.
 """
 
 from __future__ import annotations

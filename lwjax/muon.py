@@ -165,9 +165,9 @@ def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype, tall: bool = F
     dot = functools.partial(_contract, precision=precision)
     axis = -2 if tall else -1
     eye = jnp.eye(y.shape[-1] if tall else y.shape[-2], dtype=acc_dtype)
-    symmetric = gram_lib.fits(y.shape, axis, y.dtype)
+    use_kernel = gram_lib.fits(y.shape, axis, y.dtype)
     for a, b, c in steps:
-        if symmetric:  # upper tiles only; the exactly symmetric A makes A A^T equal A A
+        if use_kernel:  # upper tiles only; the exactly symmetric A makes A A^T equal A A
             gram = gram_lib.upper_gram(y, axis, y.dtype)
             square = gram_lib.upper_gram(gram, -1, acc_dtype)
         else:

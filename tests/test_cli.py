@@ -336,6 +336,7 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
                                    policy="ns_cost", bucket_size="auto")
     floor = bench._floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
     # Off CUDA Newton-Schulz runs full products: the FLOPs it computes are Megatron's.
+    assert bench.computed_share(mesh.devices.flat[0], "medium") is None
     assert floor["ns_gflop_computed_max_rank"] == floor["ns_gflop_max_rank"] > 0
     assert floor["floor_sum_computed_ms"] == floor["floor_sum_ms"]
     a = jax.numpy.ones((1024, 1024), jax.numpy.bfloat16)
@@ -348,3 +349,30 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
         times.append(time.perf_counter() - start)
     one = 2 * 1024**3 / min(times) / 1e12
     assert 1 / 3 < floor["matmul_tflops"] / one < 3
+
+
+@pytest.mark.parametrize("precision, counted", [("medium", True), ("highest", False)])
+def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(monkeypatch, capsys, precision, counted):
+    """With the CUDA branch taken (patched in) the computed floor counts the kernel's share, and the table shows it."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from lwjax import bench, gram
+
+    monkeypatch.setattr(gram, "MIN_SIZE", 256)  # the small workload's 256-row matrices
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    shapes, split = bench.workload_shapes("small", 1)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    params = bench._params(shapes, mesh, jax.numpy.float32)
+    opt = bench.workload_optimizer(params, mesh, split, ns_precision=precision, grad_reduce_in_fp32=True,
+                                   policy="ns_cost", bucket_size="auto")
+    assert (bench.computed_share(mesh.devices.flat[0], precision) is gram.computed_share) is counted
+    floor = bench._floor(bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh)
+    assert (floor["ns_gflop_computed_max_rank"] < floor["ns_gflop_max_rank"]) is counted
+    assert floor["floor_sum_computed_ms"] == pytest.approx(floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"])
+    record = dict(workload="small", layers=1, params=1, device="cpu", jax="x", grad_norm=1.0, contender="lwjax", dp=2,
+                  step_ms=10.0, back_to_back_ms=9.0, state_bytes_per_device=1, **floor)
+    monkeypatch.setattr("lwjax.bench.run_bench", lambda config: [record])
+    assert main(["bench", "--workload", "small", "--dp", "2"]) == 0
+    assert ("FLOPs lwjax computes" in capsys.readouterr().out) is counted
