@@ -360,7 +360,7 @@ def _bench_optax(cfg: BenchConfig, shapes, mesh):
     return seconds, back_to_back, state_bytes
 
 
-def computed_share(device, ns_precision: str):
+def symmetric_share(device, ns_precision: str):
     """``ns_flops``' ``symmetric_share`` for the Newton–Schulz that runs on ``device``, or ``None`` (full products).
 
     The upper-tile kernel (:mod:`lwjax.gram`) runs where ``newton_schulz`` takes
@@ -410,7 +410,7 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
     # Megatron's FLOPs (full products), and those lwjax computes.
     platform = mesh.devices.flat[0].platform
-    share = computed_share(mesh.devices.flat[0], cfg.ns_precision)
+    share = symmetric_share(mesh.devices.flat[0], cfg.ns_precision)
     flops, computed = [0] * dp, [0] * dp
     for buffer in plan.buffers:
         for group in buffer.slot_groups:

@@ -336,7 +336,7 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
                                    policy="ns_cost", bucket_size="auto")
     floor = bench._floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
     # Off CUDA Newton-Schulz runs full products: the FLOPs it computes are Megatron's.
-    assert bench.computed_share(mesh.devices.flat[0], "medium") is None
+    assert bench.symmetric_share(mesh.devices.flat[0], "medium") is None
     assert floor["ns_gflop_computed_max_rank"] == floor["ns_gflop_max_rank"] > 0
     assert floor["floor_sum_computed_ms"] == floor["floor_sum_ms"]
     a = jax.numpy.ones((1024, 1024), jax.numpy.bfloat16)
@@ -367,7 +367,7 @@ def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(mon
     params = bench._params(shapes, mesh, jax.numpy.float32)
     opt = bench.workload_optimizer(params, mesh, split, ns_precision=precision, grad_reduce_in_fp32=True,
                                    policy="ns_cost", bucket_size="auto")
-    assert (bench.computed_share(mesh.devices.flat[0], precision) is gram.computed_share) is counted
+    assert (bench.symmetric_share(mesh.devices.flat[0], precision) is gram.computed_share) is counted
     floor = bench._floor(bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh)
     assert (floor["ns_gflop_computed_max_rank"] < floor["ns_gflop_max_rank"]) is counted
     assert floor["floor_sum_computed_ms"] == pytest.approx(floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"])
