@@ -3,7 +3,7 @@
     python examples/linen_gpt.py --steps 200
     python examples/linen_gpt.py --scan --tied --size tiny
 
-The same model as :mod:`lwjax.demo.model` (RoPE attention with fused or
+The same model as :mod:`lwjax.tools.demo.model` (RoPE attention with fused or
 separate QKV, SwiGLU, RMSNorm), written with ``nn.compact``. Linen parameters
 are a plain nested dict (``variables["params"]``), which lwjax takes as is;
 routing reads the same ``/``-joined paths (``blocks_0/attn/qkv/kernel``, or
@@ -20,12 +20,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lwjax.demo.example_args import example_parser
-from lwjax.demo.model import GPTConfig, cross_entropy, lwjax_routing, rope
+from lwjax.tools.demo.example_args import example_parser
+from lwjax.tools.demo.model import GPTConfig, cross_entropy, lwjax_routing, rope
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; the fused QKV groups columns as [q heads, k, v] per KV head."""
+    """Causal grouped-query attention with RoPE; the fused QKV groups columns as
+    [q heads, k, v] per KV head."""
 
     config: GPTConfig
 
@@ -38,7 +39,11 @@ class Attention(nn.Module):
         if c.fused_qkv:
             qkv = dense((c.num_heads + 2 * c.kv_heads) * c.head_dim, "qkv")(x)
             qkv = qkv.reshape(b, t, c.kv_heads, group + 2, c.head_dim)
-            q, k, v = qkv[..., :group, :].reshape(b, t, c.num_heads, c.head_dim), qkv[..., group, :], qkv[..., -1, :]
+            q, k, v = (
+                qkv[..., :group, :].reshape(b, t, c.num_heads, c.head_dim),
+                qkv[..., group, :],
+                qkv[..., -1, :],
+            )
         else:
             q = dense(c.num_heads * c.head_dim, "q")(x).reshape(b, t, c.num_heads, c.head_dim)
             k = dense(c.kv_heads * c.head_dim, "k")(x).reshape(b, t, c.kv_heads, c.head_dim)
@@ -51,7 +56,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block with a SwiGLU MLP. Takes and returns ``(x, None)`` so ``nn.scan`` can run it."""
+    """Pre-norm block with a SwiGLU MLP. Takes and returns ``(x, None)`` so
+    ``nn.scan`` can run it."""
 
     config: GPTConfig
 
@@ -76,7 +82,9 @@ class GPT(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, name="embed")
         x = embed(tokens)
         if c.scan_layers:  # one Block whose params carry a leading [L] axis
-            blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.num_layers)
+            blocks = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.num_layers
+            )
             x, _ = blocks(c, name="blocks")(x, None)
         else:
             for i in range(c.num_layers):
@@ -84,48 +92,63 @@ class GPT(nn.Module):
         x = nn.RMSNorm(name="final_norm")(x)
         if c.tied_embedding:
             return embed.attend(x).astype(jnp.float32)
-        return nn.Dense(c.vocab_size, use_bias=False, kernel_init=nn.initializers.zeros, name="lm_head")(x)
+        return nn.Dense(
+            c.vocab_size, use_bias=False, kernel_init=nn.initializers.zeros, name="lm_head"
+        )(x)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return example_parser(__doc__.split("\n")[0], scan_help="stack the blocks with nn.scan").parse_args(argv)
+    return example_parser(
+        __doc__.split("\n")[0], scan_help="stack the blocks with nn.scan"
+    ).parse_args(argv)
 
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
-    from lwjax.demo.devices import local_mesh
+    from lwjax.tools.demo.devices import local_mesh
 
     mesh = local_mesh(args.devices)  # first: asks for virtual CPU devices before JAX starts
 
     import lwjax
-    from lwjax.demo.data import load_stdlib_corpus, train_batches
-    from lwjax.demo.model import MODEL_SIZES
+    from lwjax.tools.demo.data import load_stdlib_corpus, train_batches
+    from lwjax.tools.demo.model import MODEL_SIZES
 
     config = dataclasses.replace(
-        MODEL_SIZES[args.size], scan_layers=args.scan, fused_qkv=not args.separate_qkv, tied_embedding=args.tied
+        MODEL_SIZES[args.size],
+        scan_layers=args.scan,
+        fused_qkv=not args.separate_qkv,
+        tied_embedding=args.tied,
     )
     model = GPT(config)
-    params = model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+    params = model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))[
+        "params"
+    ]
 
     def loss_fn(params, batch):
         return cross_entropy(model.apply({"params": params}, batch["inputs"]), batch["targets"])
 
     optimizer = lwjax.layerwise_muon(
-        params, mesh, learning_rate=args.lr, muon=lwjax.MuonConfig(nesterov=True, extra_scale_factor=0.2),
-        **lwjax_routing(config),
+        params,
+        mesh,
+        learning_rate=args.lr,
+        muon=lwjax.MuonConfig(nesterov=True, extra_scale_factor=0.2),
+        routing=lwjax_routing(config),
     )
     muon = [r.path for r in optimizer.plan.routes if r.is_muon]
     print(f"{len(muon)} Muon leaves over {mesh.size} devices, e.g. {muon[0]}")
     state = optimizer.init(params)
     train_step = lwjax.make_train_step(loss_fn, optimizer)
 
-    batches = train_batches(load_stdlib_corpus().train, args.batch_size, args.seq_len, seed=args.seed)
+    batches = train_batches(
+        load_stdlib_corpus().train, args.batch_size, args.seq_len, seed=args.seed
+    )
     losses = []
     for step in range(args.steps):
         params, state, metrics = train_step(params, state, next(batches))
         losses.append(float(metrics["loss"]))
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  grad norm {float(metrics['grad_norm']):.3f}")
+            grad_norm = float(metrics["grad_norm"])
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  grad norm {grad_norm:.3f}")
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return losses
 

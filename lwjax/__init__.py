@@ -1,47 +1,66 @@
 """lwjax: Megatron-Core's layer-wise distributed optimizer (distributed Muon) for JAX.
 
-The layout layer (pure Python) is imported eagerly; names that need jax are
-loaded on first use, so ``import lwjax`` and ``lwjax layout`` stay fast and
-jax-free.
+The layout layer (pure Python) is imported eagerly. The names that need jax
+are imported on first use, so ``import lwjax`` and the jax-free tools
+(``lwjax layout``, ``lwjax launch``, the Megatron reader) stay fast; type
+checkers read them from the ``TYPE_CHECKING`` block below.
 """
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 from lwjax.layout import BufferKey as BufferKey
 from lwjax.layout import FullParamLayout as FullParamLayout
+from lwjax.layout import LayoutConfig as LayoutConfig
 from lwjax.layout import ParamSpec as ParamSpec
 from lwjax.layout import PerBufferParamLayout as PerBufferParamLayout
 from lwjax.policies import compute_full_param_layout as compute_full_param_layout
 from lwjax.policies import compute_layout as compute_layout
+from lwjax.routing import RoutingRules as RoutingRules
 from lwjax.routing import route_leaves as route_leaves
+
+if TYPE_CHECKING:
+    from lwjax.checkpoint import restore as restore
+    from lwjax.checkpoint import save as save
+    from lwjax.logical import from_logical as from_logical
+    from lwjax.logical import to_logical as to_logical
+    from lwjax.muon import MuonConfig as MuonConfig
+    from lwjax.optimizer import LayerwiseOptimizer as LayerwiseOptimizer
+    from lwjax.optimizer import OptimizerConfig as OptimizerConfig
+    from lwjax.optimizer import layerwise_muon as layerwise_muon
+    from lwjax.step import LayerwiseState as LayerwiseState
+    from lwjax.train import jit_shard_map as jit_shard_map
+    from lwjax.train import make_train_step as make_train_step
 
 try:
     __version__ = _version("lwjax")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
+# name -> module: the names of the TYPE_CHECKING block (a test checks that they agree).
 _LAZY = {
-    "MuonConfig": "lwjax.muon",
-    "OptimizerConfig": "lwjax.optimizer",
-    "LayerwiseState": "lwjax.optimizer",
-    "LayerwiseOptimizer": "lwjax.optimizer",
-    "layerwise_muon": "lwjax.optimizer",
-    "make_train_step": "lwjax.train",
-    "jit_shard_map": "lwjax.train",
-    "make_plan": "lwjax.buffers",
-    "to_logical": "lwjax.optimizer",
-    "from_logical": "lwjax.optimizer",
-    "save": "lwjax.checkpoint",
     "restore": "lwjax.checkpoint",
+    "save": "lwjax.checkpoint",
+    "from_logical": "lwjax.logical",
+    "to_logical": "lwjax.logical",
+    "MuonConfig": "lwjax.muon",
+    "LayerwiseOptimizer": "lwjax.optimizer",
+    "OptimizerConfig": "lwjax.optimizer",
+    "layerwise_muon": "lwjax.optimizer",
+    "LayerwiseState": "lwjax.step",
+    "jit_shard_map": "lwjax.train",
+    "make_train_step": "lwjax.train",
 }
 
 __all__ = (
     "BufferKey",
     "FullParamLayout",
+    "LayoutConfig",
     "ParamSpec",
     "PerBufferParamLayout",
+    "RoutingRules",
     "compute_full_param_layout",
     "compute_layout",
     "route_leaves",

@@ -1,12 +1,12 @@
 """Checkpoints of the logical (per-parameter) training state, restorable at any dp size.
 
-A checkpoint holds the parameters and the :class:`~lwjax.optimizer.LogicalState`
+A checkpoint holds the parameters and the :class:`~lwjax.logical.LogicalState`
 (fp32 masters, Muon momenta, elementwise moments, step count) as named,
 global arrays, never the per-rank packed buffers. So any optimizer over the
 same parameters and routing restores it, whatever its mesh, dp size, layout
 policy or bucket size: :func:`restore` reads the arrays straight into the
 target's logical shardings and packs them with
-:func:`~lwjax.optimizer.from_logical`.
+:func:`~lwjax.logical.from_logical`.
 
 On disk (orbax-checkpoint, one composite checkpoint)::
 
@@ -41,8 +41,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.optimizer import LayerwiseOptimizer, LayerwiseState, LogicalState, from_logical, logical_sharding, to_logical
+from lwjax.logical import LogicalState, from_logical, logical_sharding, to_logical
+from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.routing import LeafRoute, path_name
+from lwjax.step import LayerwiseState
 
 FORMAT = "lwjax.checkpoint"
 FORMAT_VERSION = 1
@@ -103,7 +105,9 @@ def _fingerprints_jnp(arrays: dict):
         bits = _bits_jnp(x).reshape(-1)
         mix = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1])
         h1 = jnp.sum(bits * (mix | jnp.uint32(1)), dtype=jnp.uint32)
-        h2 = jnp.sum((bits ^ mix) * jnp.uint32(_MIX[2]) + (bits >> jnp.uint32(13)), dtype=jnp.uint32)
+        h2 = jnp.sum(
+            (bits ^ mix) * jnp.uint32(_MIX[2]) + (bits >> jnp.uint32(13)), dtype=jnp.uint32
+        )
         out[name] = jnp.stack([h1, h2])
     return out
 
@@ -125,14 +129,22 @@ def _named(tree) -> tuple[dict[str, Any], Any]:
     for key_path, leaf in leaves:
         name = path_name(key_path)
         if name in named:
-            raise ValueError(f"{name}: two leaves share this checkpoint name; leaf names must be unique.")
+            raise ValueError(
+                f"{name}: two leaves share this checkpoint name; leaf names must be unique."
+            )
         named[name] = leaf
     return named, treedef
 
 
 def _route_record(route: LeafRoute) -> dict:
-    return {"path": route.path, "shape": list(route.shape), "dtype": route.dtype, "stack_dims": route.stack_dims,
-            "is_muon": route.is_muon, "qkv_split_shapes": list(route.qkv_split_shapes or []) or None}
+    return {
+        "path": route.path,
+        "shape": list(route.shape),
+        "dtype": route.dtype,
+        "stack_dims": route.stack_dims,
+        "is_muon": route.is_muon,
+        "qkv_split_shapes": list(route.qkv_split_shapes or []) or None,
+    }
 
 
 def _as_path(path) -> epath.Path:
@@ -143,10 +155,14 @@ def _as_path(path) -> epath.Path:
 
 def _check_new_path(path: epath.Path, overwrite: bool) -> None:
     if TMP_SUFFIX in path.name:
-        raise ValueError(f"{path}: a checkpoint path may not contain {TMP_SUFFIX!r}; "
-                         "orbax uses it for unfinished saves.")
+        raise ValueError(
+            f"{path}: a checkpoint path may not contain {TMP_SUFFIX!r}; "
+            "orbax uses it for unfinished saves."
+        )
     if path.exists() and not overwrite:
-        raise ValueError(f"{path}: already exists; pass overwrite=True (--overwrite) to replace it.")
+        raise ValueError(
+            f"{path}: already exists; pass overwrite=True (--overwrite) to replace it."
+        )
 
 
 def save_logical(
@@ -196,7 +212,9 @@ def save_logical(
     ocp = _ocp()
     handler = ocp.CompositeCheckpointHandler()
     checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
-    args = ocp.args.Composite(**{ARRAYS_ITEM: ocp.args.StandardSave(arrays), RECORD_ITEM: ocp.args.JsonSave(record)})
+    args = ocp.args.Composite(
+        **{ARRAYS_ITEM: ocp.args.StandardSave(arrays), RECORD_ITEM: ocp.args.JsonSave(record)}
+    )
     checkpointer.save(path, args, force=overwrite)
     if async_save:
         return AsyncSave(checkpointer, path)
@@ -216,14 +234,14 @@ def save(
 ) -> AsyncSave | None:
     """Save parameters and optimizer state as logical per-parameter arrays.
 
-    The state is unpacked with :func:`~lwjax.optimizer.to_logical` first, so the
+    The state is unpacked with :func:`~lwjax.logical.to_logical` first, so the
     checkpoint does not depend on this optimizer's dp size, layout or buckets.
     Inverse of :func:`restore`.
 
     Args:
       path: Checkpoint directory to create (atomically).
       params: The parameter pytree.
-      state: The optimizer's :class:`~lwjax.optimizer.LayerwiseState`.
+      state: The optimizer's :class:`~lwjax.step.LayerwiseState`.
       optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` that owns ``state``.
       step: Training step to record; defaults to ``state.count``.
       metadata: JSON-serialisable extra record.
@@ -241,20 +259,36 @@ def save(
       >>> params, state = restore("/tmp/ckpt/step_100", other_opt)  # doctest: +SKIP
     """
     logical = to_logical(optimizer, state)
-    return save_logical(path, params, logical, optimizer.plan.routes, step=step, metadata=metadata,
-                        async_save=async_save, overwrite=overwrite)
+    return save_logical(
+        path,
+        params,
+        logical,
+        optimizer.plan.routes,
+        step=step,
+        metadata=metadata,
+        async_save=async_save,
+        overwrite=overwrite,
+    )
 
 
 def _checked_path(path) -> epath.Path:
     """The checkpoint directory, after refusing missing, temporary and uncommitted ones."""
     path = _as_path(path)
     if TMP_SUFFIX in path.name:
-        raise ValueError(f"{path}: an unfinished save (orbax temporary directory); it cannot be restored.")
+        raise ValueError(
+            f"{path}: an unfinished save (orbax temporary directory); it cannot be restored."
+        )
     if not path.is_dir():
-        pending = sorted(p.name for p in path.parent.glob(path.name + TMP_SUFFIX + "*")) if path.parent.is_dir() else []
+        pending = (
+            sorted(p.name for p in path.parent.glob(path.name + TMP_SUFFIX + "*"))
+            if path.parent.is_dir()
+            else []
+        )
         if pending:
-            raise ValueError(f"{path}: the save was interrupted before it completed (found {pending}); "
-                             "restore an earlier checkpoint.")
+            raise ValueError(
+                f"{path}: the save was interrupted before it completed (found {pending}); "
+                "restore an earlier checkpoint."
+            )
         raise ValueError(f"{path}: no such checkpoint.")
     meta = path / "_CHECKPOINT_METADATA"
     try:
@@ -262,8 +296,10 @@ def _checked_path(path) -> epath.Path:
     except (OSError, json.JSONDecodeError, AttributeError):
         committed = False
     if not committed or not (path / RECORD_ITEM).is_dir() or not (path / ARRAYS_ITEM).is_dir():
-        raise ValueError(f"{path}: not a complete lwjax checkpoint (no committed orbax metadata, "
-                         f"{RECORD_ITEM}/ or {ARRAYS_ITEM}/).")
+        raise ValueError(
+            f"{path}: not a complete lwjax checkpoint (no committed orbax metadata, "
+            f"{RECORD_ITEM}/ or {ARRAYS_ITEM}/)."
+        )
     return path
 
 
@@ -277,16 +313,21 @@ def read_record(path) -> dict:
     ocp = _ocp()
     try:
         restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            path, ocp.args.Composite(**{RECORD_ITEM: ocp.args.JsonRestore()}))
+            path, ocp.args.Composite(**{RECORD_ITEM: ocp.args.JsonRestore()})
+        )
         record = restored[RECORD_ITEM]
     except Exception as err:  # orbax raises many types for unreadable files
         raise ValueError(f"{path}: unreadable checkpoint record: {err}") from None
     if not isinstance(record, Mapping) or record.get("format") != FORMAT:
         found = record.get("format") if isinstance(record, Mapping) else type(record).__name__
-        raise ValueError(f"{path}: not an lwjax checkpoint record (format={found!r}; expected {FORMAT!r}).")
+        raise ValueError(
+            f"{path}: not an lwjax checkpoint record (format={found!r}; expected {FORMAT!r})."
+        )
     if record.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format version {record.get('format_version')!r}; this lwjax reads "
-                         f"version {FORMAT_VERSION}.")
+        raise ValueError(
+            f"{path}: checkpoint format version {record.get('format_version')!r}; this lwjax reads "
+            f"version {FORMAT_VERSION}."
+        )
     return dict(record)
 
 
@@ -297,13 +338,20 @@ def _target(optimizer: LayerwiseOptimizer, params_like):
         leaves = [jax.ShapeDtypeStruct(r.shape, jnp.dtype(r.dtype)) for r in optimizer.plan.routes]
         params_like = jax.tree_util.tree_unflatten(optimizer.plan.treedef, leaves)
     abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or replicated),
-        params_like)
-    abstract_state = jax.eval_shape(optimizer.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                                                 abstract_params))
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=getattr(x, "sharding", None) or replicated
+        ),
+        params_like,
+    )
+    abstract_state = jax.eval_shape(
+        optimizer.init,
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params),
+    )
     abstract_logical = jax.eval_shape(lambda s: to_logical(optimizer, s), abstract_state)
     abstract_logical = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=logical_sharding(optimizer, x)), abstract_logical)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=logical_sharding(optimizer, x)),
+        abstract_logical,
+    )
     return {"params": abstract_params, "state": abstract_logical}
 
 
@@ -311,7 +359,9 @@ def _describe(entry) -> str:
     return f"{entry['dtype']}{list(entry['shape'])}"
 
 
-def _mismatches(record: Mapping, target: Mapping[str, jax.ShapeDtypeStruct], routes: Sequence[LeafRoute]) -> list[str]:
+def _mismatches(
+    record: Mapping, target: Mapping[str, jax.ShapeDtypeStruct], routes: Sequence[LeafRoute]
+) -> list[str]:
     saved = record["arrays"]
     problems = []
     saved_routes = {r["path"]: r for r in record.get("routes", [])}
@@ -319,12 +369,16 @@ def _mismatches(record: Mapping, target: Mapping[str, jax.ShapeDtypeStruct], rou
         old = saved_routes.get(route.path)
         if old is not None and bool(old["is_muon"]) != route.is_muon:
             kinds = ("Muon", "elementwise")
-            problems.append(f"routing: {route.path} is {kinds[not old['is_muon']]} in the checkpoint but "
-                            f"{kinds[not route.is_muon]} in the target optimizer")
+            problems.append(
+                f"routing: {route.path} is {kinds[not old['is_muon']]} in the checkpoint but "
+                f"{kinds[not route.is_muon]} in the target optimizer"
+            )
     for name in target:
         if name not in saved:
             want = target[name]
-            problems.append(f"missing: {name} (target {np.dtype(want.dtype).name}{list(want.shape)})")
+            problems.append(
+                f"missing: {name} (target {np.dtype(want.dtype).name}{list(want.shape)})"
+            )
     for name in saved:
         if name not in target:
             problems.append(f"unexpected: {name} ({_describe(saved[name])}) is not in the target")
@@ -333,25 +387,36 @@ def _mismatches(record: Mapping, target: Mapping[str, jax.ShapeDtypeStruct], rou
         if have is None:
             continue
         if tuple(have["shape"]) != tuple(want.shape):
-            problems.append(f"shape: {name}: checkpoint {tuple(have['shape'])}, target {tuple(want.shape)}")
+            problems.append(
+                f"shape: {name}: checkpoint {tuple(have['shape'])}, target {tuple(want.shape)}"
+            )
         if have["dtype"] != np.dtype(want.dtype).name:
-            problems.append(f"dtype: {name}: checkpoint {have['dtype']}, target {np.dtype(want.dtype).name}")
+            problems.append(
+                f"dtype: {name}: checkpoint {have['dtype']}, target {np.dtype(want.dtype).name}"
+            )
     return problems
 
 
-def _read_arrays(path: epath.Path, target: Mapping[str, jax.ShapeDtypeStruct], record: Mapping) -> dict:
+def _read_arrays(
+    path: epath.Path, target: Mapping[str, jax.ShapeDtypeStruct], record: Mapping
+) -> dict:
     ocp = _ocp()
     try:
         restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            path, ocp.args.Composite(**{ARRAYS_ITEM: ocp.args.StandardRestore(dict(target))}))[ARRAYS_ITEM]
+            path, ocp.args.Composite(**{ARRAYS_ITEM: ocp.args.StandardRestore(dict(target))})
+        )[ARRAYS_ITEM]
     except Exception as err:  # tensorstore / orbax errors on damaged files
-        raise ValueError(f"{path}: the checkpoint's array data is unreadable (truncated or corrupted?): "
-                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise ValueError(
+            f"{path}: the checkpoint's array data is unreadable (truncated or corrupted?): "
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
     got = fingerprints(restored)
     bad = [name for name in target if got[name] != record["arrays"][name]["fingerprint"]]
     if bad:
-        raise ValueError(f"{path}: corrupted checkpoint: the data of {len(bad)} array(s) does not match the "
-                         f"fingerprints recorded at save time: {bad}. Nothing was restored.")
+        raise ValueError(
+            f"{path}: corrupted checkpoint: the data of {len(bad)} array(s) does not match the "
+            f"fingerprints recorded at save time: {bad}. Nothing was restored."
+        )
     return restored
 
 
@@ -384,7 +449,10 @@ def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any,
     target, treedef = _named(tree)
     problems = _mismatches(record, target, optimizer.plan.routes)
     if problems:
-        raise ValueError(f"{path}: the checkpoint does not match the target optimizer:\n  " + "\n  ".join(problems))
+        raise ValueError(
+            f"{path}: the checkpoint does not match the target optimizer:\n  "
+            + "\n  ".join(problems)
+        )
     restored = _read_arrays(path, target, record)
     restored_tree = jax.tree_util.tree_unflatten(treedef, [restored[name] for name in target])
     state = from_logical(optimizer, restored_tree["state"])
@@ -400,7 +468,9 @@ def load_arrays(path) -> tuple[dict[str, np.ndarray], dict]:
     path = _checked_path(path)
     record = read_record(path)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = {name: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]), sharding=device)
-              for name, e in record["arrays"].items()}
+    target = {
+        name: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]), sharding=device)
+        for name, e in record["arrays"].items()
+    }
     restored = _read_arrays(path, target, record)
     return {name: np.asarray(restored[name]) for name in target}, record

@@ -49,7 +49,14 @@ ENV_SHUTDOWN_TIMEOUT = "LWJAX_SHUTDOWN_TIMEOUT"  # seconds
 DEFAULT_INIT_TIMEOUT = 120  # s: all processes must have connected by then (JAX: 300)
 DEFAULT_HEARTBEAT_TIMEOUT = 30  # s: a silent process is declared dead after this (JAX: 100)
 DEFAULT_SHUTDOWN_TIMEOUT = 60  # s: the exit barrier waits this long for the others (JAX: 300)
-CLUSTERS = ("auto", "slurm", "ompi", "mpi4py", "gcetpu", "gketpu")  # JAX's names; Kubernetes: "auto" only
+CLUSTERS = (
+    "auto",
+    "slurm",
+    "ompi",
+    "mpi4py",
+    "gcetpu",
+    "gketpu",
+)  # JAX's names; Kubernetes: "auto" only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,27 +90,54 @@ class DistributedConfig:
     shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
 
     def __post_init__(self):
-        for name in ("num_processes", "cpu_devices", "initialization_timeout", "heartbeat_timeout",
-                     "shutdown_timeout"):
+        for name in (
+            "num_processes",
+            "cpu_devices",
+            "initialization_timeout",
+            "heartbeat_timeout",
+            "shutdown_timeout",
+        ):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"DistributedConfig.{name} must be a positive int or None; got {name}={value!r}.")
-        if self.process_id is not None and (not isinstance(self.process_id, int) or self.process_id < 0):
-            raise ValueError(f"DistributedConfig.process_id must be an int >= 0; got process_id={self.process_id!r}.")
-        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
-            raise ValueError(f"DistributedConfig.process_id must be < num_processes; got {self.process_id=}, "
-                             f"{self.num_processes=}.")
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(
+                    f"DistributedConfig.{name} must be a positive int or None; "
+                    f"got {name}={value!r}."
+                )
+        if self.process_id is not None and (
+            not isinstance(self.process_id, int) or self.process_id < 0
+        ):
+            raise ValueError(
+                "DistributedConfig.process_id must be an int >= 0; "
+                f"got process_id={self.process_id!r}."
+            )
+        if (
+            self.num_processes is not None
+            and self.process_id is not None
+            and self.process_id >= self.num_processes
+        ):
+            raise ValueError(
+                f"DistributedConfig.process_id must be < num_processes; got {self.process_id=}, "
+                f"{self.num_processes=}."
+            )
         if self.cluster_detection not in (None, "off", *CLUSTERS):
-            raise ValueError(f"DistributedConfig.cluster_detection must be one of None, 'off', "
-                             f"{', '.join(map(repr, CLUSTERS))}; got {self.cluster_detection!r}.")
+            raise ValueError(
+                f"DistributedConfig.cluster_detection must be one of None, 'off', "
+                f"{', '.join(map(repr, CLUSTERS))}; got {self.cluster_detection!r}."
+            )
         if self.coordinator_address is not None and ":" not in self.coordinator_address:
-            raise ValueError(f"DistributedConfig.coordinator_address must be 'host:port'; "
-                             f"got {self.coordinator_address!r}.")
+            raise ValueError(
+                f"DistributedConfig.coordinator_address must be 'host:port'; "
+                f"got {self.coordinator_address!r}."
+            )
 
     @property
     def is_explicit(self) -> bool:
         """Whether any of coordinator, process count or process id was given."""
-        return any(x is not None for x in (self.coordinator_address, self.num_processes, self.process_id))
+        return any(
+            x is not None for x in (self.coordinator_address, self.num_processes, self.process_id)
+        )
 
     @property
     def is_distributed(self) -> bool:
@@ -118,7 +152,9 @@ def _env_int(environ: Mapping[str, str], name: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer; got {name}={text!r}.") from None
+        raise ValueError(
+            f"environment variable {name} must be an integer; got {name}={text!r}."
+        ) from None
 
 
 def config_from_env(environ: Mapping[str, str] | None = None, **overrides) -> DistributedConfig:
@@ -148,7 +184,9 @@ def config_from_env(environ: Mapping[str, str] | None = None, **overrides) -> Di
     known = {f.name for f in dataclasses.fields(DistributedConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise TypeError(f"config_from_env: unknown field(s) {unknown}; expected some of {sorted(known)}.")
+        raise TypeError(
+            f"config_from_env: unknown field(s) {unknown}; expected some of {sorted(known)}."
+        )
     fields.update({k: v for k, v in overrides.items() if v is not None})
     if fields.get("local_device_ids") is not None:
         fields["local_device_ids"] = tuple(fields["local_device_ids"])
@@ -189,8 +227,10 @@ def _set_cpu_devices(count: int) -> None:
         return
     have = len(jax.local_devices(backend="cpu"))
     if have != count:
-        raise RuntimeError(f"initialize: asked for cpu_devices={count}, but JAX already started with {have} CPU "
-                           "devices. Call lwjax.distributed.initialize() before any other JAX call.")
+        raise RuntimeError(
+            f"initialize: asked for cpu_devices={count}, but JAX already started with {have} CPU "
+            "devices. Call lwjax.distributed.initialize() before any other JAX call."
+        )
 
 
 def process_info() -> ProcessInfo:
@@ -241,25 +281,38 @@ def initialize(config: DistributedConfig | None = None, **fields: Any) -> Proces
     import jax
 
     if config is not None and fields:
-        raise TypeError(f"initialize: pass config or fields, not both; got config and {sorted(fields)}.")
+        raise TypeError(
+            f"initialize: pass config or fields, not both; got config and {sorted(fields)}."
+        )
     config = config if config is not None else config_from_env(**fields)
     if is_initialized():
         return process_info()
     if config.cpu_devices is not None:
         _set_cpu_devices(config.cpu_devices)
     if not config.is_distributed:
-        return ProcessInfo(0, 1, False)  # JAX stays unstarted: the caller may still size its devices
+        return ProcessInfo(
+            0, 1, False
+        )  # JAX stays unstarted: the caller may still size its devices
     if config.is_explicit and config.cluster_detection in (None, "off"):
-        missing = [name for name in ("coordinator_address", "num_processes", "process_id")
-                   if getattr(config, name) is None]
+        missing = [
+            name
+            for name in ("coordinator_address", "num_processes", "process_id")
+            if getattr(config, name) is None
+        ]
         if missing:
-            raise ValueError(f"initialize: without cluster detection, coordinator_address, num_processes and "
-                             f"process_id are all needed; missing {missing}. Set them (or {ENV_COORDINATOR}, "
-                             f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}), or pass cluster_detection='auto'.")
+            raise ValueError(
+                f"initialize: without cluster detection, coordinator_address, num_processes and "
+                f"process_id are all needed; missing {missing}. Set them (or {ENV_COORDINATOR}, "
+                f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}), or pass cluster_detection='auto'."
+            )
     if _backends_started():
-        raise RuntimeError("initialize: JAX already ran a computation or listed devices in this process; "
-                           "call lwjax.distributed.initialize() first, right after the imports.")
-    try:  # gloo is the default since jax 0.10; an older default (None) cannot run cross-process CPU programs
+        raise RuntimeError(
+            "initialize: JAX already ran a computation or listed devices in this process; "
+            "call lwjax.distributed.initialize() first, right after the imports."
+        )
+    # gloo is the default since jax 0.10; an older default (None) cannot run cross-process CPU
+    # programs
+    try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):
         pass
@@ -268,7 +321,9 @@ def initialize(config: DistributedConfig | None = None, **fields: Any) -> Proces
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
-        local_device_ids=list(config.local_device_ids) if config.local_device_ids is not None else None,
+        local_device_ids=list(config.local_device_ids)
+        if config.local_device_ids is not None
+        else None,
         cluster_detection_method=None if detection in (None, "off", "auto") else detection,
         initialization_timeout=config.initialization_timeout,
         heartbeat_timeout_seconds=config.heartbeat_timeout,
@@ -292,10 +347,14 @@ def _install_failure_hook(info: ProcessInfo, config: DistributedConfig) -> None:
 
     def hook(exc_type, exc, tb):
         previous(exc_type, exc, tb)
-        print(f"lwjax.distributed: process {info.process_id} of {info.num_processes} failed "
-              f"({exc_type.__name__}); exiting with status 1 without the exit barrier. The other processes "
-              f"fail at their next collective or within the heartbeat timeout ({config.heartbeat_timeout} s).",
-              file=sys.stderr, flush=True)
+        print(
+            f"lwjax.distributed: process {info.process_id} of {info.num_processes} failed "
+            f"({exc_type.__name__}); exiting with status 1 without the exit barrier. "
+            "The other processes fail at their next collective or within the heartbeat timeout "
+            f"({config.heartbeat_timeout} s).",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(1)
 
@@ -336,15 +395,23 @@ def global_mesh(num_devices: int | None = None, *, axis: str = "dp"):
         return Mesh(np.array(devices), (axis,))
     processes = jax.process_count()
     if not 1 <= num_devices <= len(devices) or num_devices % processes:
-        raise ValueError(f"global_mesh: num_devices must be a multiple of the {processes} process(es) in "
-                         f"[1, {len(devices)}]; got {num_devices=}.")
+        raise ValueError(
+            f"global_mesh: num_devices must be a multiple of the {processes} process(es) in "
+            f"[1, {len(devices)}]; got {num_devices=}."
+        )
     per_process = num_devices // processes
-    chosen = [d for p in range(processes) for d in [d for d in devices if d.process_index == p][:per_process]]
+    chosen = [
+        d
+        for p in range(processes)
+        for d in [d for d in devices if d.process_index == p][:per_process]
+    ]
     return Mesh(np.array(chosen), (axis,))
 
 
 def _row_blocks(mesh, axis) -> tuple[list[int], int]:
-    """``(starts, n)``: the batch splits into ``n`` row blocks over ``axis``; this process holds those at ``starts``."""
+    """``(starts, n)``: the batch splits into ``n`` row blocks over ``axis``; this process
+    holds those at ``starts``.
+    """
     import math
 
     from jax.sharding import NamedSharding
@@ -376,11 +443,15 @@ def process_rows(global_rows: int, mesh, *, axis: str | tuple[str, ...] = "dp") 
     """
     starts, n = _row_blocks(mesh, axis)
     if global_rows % n:
-        raise ValueError(f"process_rows: the global batch must divide by {axis}={n}; got {global_rows=}.")
+        raise ValueError(
+            f"process_rows: the global batch must divide by {axis}={n}; got {global_rows=}."
+        )
     rows = global_rows // n
     if starts != list(range(starts[0], starts[-1] + 1)):
-        raise ValueError(f"process_rows: this process's devices are not contiguous along {axis!r}; "
-                         "order the mesh's devices by process, as global_mesh() does.")
+        raise ValueError(
+            f"process_rows: this process's devices are not contiguous along {axis!r}; "
+            "order the mesh's devices by process, as global_mesh() does."
+        )
     return slice(starts[0] * rows, (starts[-1] + 1) * rows)
 
 
@@ -414,8 +485,12 @@ def global_batch(local_batch, mesh, *, axis: str | tuple[str, ...] = "dp"):
     def make(x):
         x = np.asarray(x)
         if not x.ndim:
-            raise ValueError(f"global_batch: every leaf needs a leading batch axis; got a scalar {x=}.")
-        return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * share, *x.shape[1:]))
+            raise ValueError(
+                f"global_batch: every leaf needs a leading batch axis; got a scalar {x=}."
+            )
+        return jax.make_array_from_process_local_data(
+            sharding, x, (x.shape[0] * share, *x.shape[1:])
+        )
 
     return jax.tree.map(make, local_batch)
 
@@ -456,7 +531,9 @@ def place(tree, mesh, specs=None):
 
     def make(x, spec):
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda index: x[index])
+        return jax.make_array_from_callback(
+            x.shape, NamedSharding(mesh, spec), lambda index: x[index]
+        )
 
     specs = P() if specs is None else specs
     if isinstance(specs, P):
@@ -465,7 +542,9 @@ def place(tree, mesh, specs=None):
 
 
 def replicate(tree, mesh):
-    """Host values, equal on every process, as fully replicated global arrays (``P()``) on ``mesh``."""
+    """Host values, equal on every process, as fully replicated global arrays
+    (``P()``) on ``mesh``.
+    """
     return place(tree, mesh)
 
 
@@ -499,7 +578,8 @@ def barrier(name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lwjax.distributed SCRIPT [ARGS]`` (or ``-m MODULE [ARGS]``): initialize, then run it.
+    """``python -m lwjax.distributed SCRIPT [ARGS]`` (or ``-m MODULE [ARGS]``): initialize,
+    then run it.
 
     Runs an unmodified single-process script as one process of the job, e.g.
     ``lwjax launch --nproc 2 -- python -m lwjax.distributed train.py``. The
@@ -510,7 +590,10 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
-        print("usage: python -m lwjax.distributed SCRIPT [ARGS ...] | -m MODULE [ARGS ...]", file=sys.stderr)
+        print(
+            "usage: python -m lwjax.distributed SCRIPT [ARGS ...] | -m MODULE [ARGS ...]",
+            file=sys.stderr,
+        )
         return 2
     initialize()
     if argv[0] == "-m":

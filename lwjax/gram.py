@@ -36,7 +36,9 @@ _NUM_WARPS, _NUM_STAGES = 4, 3
 
 
 def fits(shape: tuple[int, ...], axis: int, dtype) -> bool:
-    """Whether :func:`upper_gram` takes a ``[..., r, c]`` stack of ``dtype`` contracted over ``axis``."""
+    """Whether :func:`upper_gram` takes a ``[..., r, c]`` stack of ``dtype``
+    contracted over ``axis``.
+    """
     if len(shape) < 2 or jnp.dtype(dtype) != jnp.bfloat16 or axis not in (-1, -2):
         return False
     size, depth = (shape[-2], shape[-1]) if axis == -1 else (shape[-1], shape[-2])
@@ -44,7 +46,8 @@ def fits(shape: tuple[int, ...], axis: int, dtype) -> bool:
 
 
 def computed_share(size: int, depth: int) -> float:
-    """Share of a full ``[size, size]`` Gram product over ``depth`` that :func:`upper_gram` computes.
+    """Share of a full ``[size, size]`` Gram product over ``depth`` that
+    :func:`upper_gram` computes.
 
     With :math:`T` tiles a side it computes :math:`T (T + 1) / 2` of :math:`T^2`,
     :math:`(T + 1) / 2T`: 0.53 at 2048, 0.52 at 4096. 1 where the kernel does not take
@@ -57,7 +60,8 @@ def computed_share(size: int, depth: int) -> float:
 
 
 def upper_gram(x: jax.Array, axis: int, dtype, *, interpret: bool = False) -> jax.Array:
-    """:math:`X X^\\top` (``axis=-1``) or :math:`X^\\top X` (``axis=-2``) per matrix of a bf16 stack.
+    """:math:`X X^\\top` (``axis=-1``) or :math:`X^\\top X` (``axis=-2``) per matrix
+    of a bf16 stack.
 
     Args:
       x: Array ``[..., r, c]`` of bf16.
@@ -73,8 +77,10 @@ def upper_gram(x: jax.Array, axis: int, dtype, *, interpret: bool = False) -> ja
     """
     if not fits(x.shape, axis, x.dtype):
         raise ValueError(
-            f"upper_gram: expected a bf16 [..., r, c] stack whose Gram edge is a multiple of {BLOCK} and at least "
-            f"{MIN_SIZE}, contracted (axis -1 or -2) over a multiple of {BLOCK_K}; got {x.shape=}, {x.dtype=}, {axis=}.")
+            "upper_gram: expected a bf16 [..., r, c] stack whose Gram edge is a multiple of "
+            f"{BLOCK} and at least {MIN_SIZE}, contracted (axis -1 or -2) over a multiple of "
+            f"{BLOCK_K}; got {x.shape=}, {x.dtype=}, {axis=}."
+        )
     rows, cols = x.shape[-2:]
     size, depth = (rows, cols) if axis == -1 else (cols, rows)
     tiles = size // BLOCK
@@ -100,10 +106,16 @@ def _upper_tiles(x_ref, out_ref, *, steps: int, transposed: bool):
         def accumulate(step, acc):
             depth = pl.ds(pl.multiple_of(step * BLOCK_K, BLOCK_K), BLOCK_K)
             if transposed:  # x is [depth, size]
-                return acc + pltriton.dot(x_ref[depth, pl.ds(i * BLOCK, BLOCK)], x_ref[depth, pl.ds(j * BLOCK, BLOCK)],
-                                          trans_a=True)
-            return acc + pltriton.dot(x_ref[pl.ds(i * BLOCK, BLOCK), depth], x_ref[pl.ds(j * BLOCK, BLOCK), depth],
-                                      trans_b=True)
+                return acc + pltriton.dot(
+                    x_ref[depth, pl.ds(i * BLOCK, BLOCK)],
+                    x_ref[depth, pl.ds(j * BLOCK, BLOCK)],
+                    trans_a=True,
+                )
+            return acc + pltriton.dot(
+                x_ref[pl.ds(i * BLOCK, BLOCK), depth],
+                x_ref[pl.ds(j * BLOCK, BLOCK), depth],
+                trans_b=True,
+            )
 
         tile = lax.fori_loop(0, steps, accumulate, jnp.zeros((BLOCK, BLOCK), jnp.float32))
         out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = tile.astype(out_ref.dtype)

@@ -44,7 +44,9 @@ EXIT_TIMEOUT = 124  # as coreutils `timeout`
 DEFAULT_HEARTBEAT_TIMEOUT = 10  # s: local processes; a dead peer ends the job within seconds
 DEFAULT_INIT_TIMEOUT = 60  # s
 POLL_INTERVAL = 0.05  # s: how often the launcher checks its timeout
-_GLOO_NOISE = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks")  # gloo's threads interleave these
+_GLOO_NOISE = re.compile(
+    r"\[Gloo\] Rank|is connected to \d+ peer ranks"
+)  # gloo's threads interleave these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,22 +91,33 @@ class LaunchConfig:
     def __post_init__(self):
         object.__setattr__(self, "command", tuple(self.command))
         if not self.command:
-            raise ValueError("LaunchConfig.command must name a program; got an empty command. "
-                             "Example: lwjax launch --nproc 2 -- python train.py")
+            raise ValueError(
+                "LaunchConfig.command must name a program; got an empty command. "
+                "Example: lwjax launch --nproc 2 -- python train.py"
+            )
         for name in ("nproc", "heartbeat_timeout", "init_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LaunchConfig.{name} must be a positive int; got {name}={value!r}.")
-        if self.devices_per_proc is not None and (not isinstance(self.devices_per_proc, int)
-                                                  or self.devices_per_proc < 1):
-            raise ValueError(f"LaunchConfig.devices_per_proc must be a positive int or None; "
-                             f"got devices_per_proc={self.devices_per_proc!r}.")
+                raise ValueError(
+                    f"LaunchConfig.{name} must be a positive int; got {name}={value!r}."
+                )
+        if self.devices_per_proc is not None and (
+            not isinstance(self.devices_per_proc, int) or self.devices_per_proc < 1
+        ):
+            raise ValueError(
+                f"LaunchConfig.devices_per_proc must be a positive int or None; "
+                f"got devices_per_proc={self.devices_per_proc!r}."
+            )
         if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"LaunchConfig.timeout must be > 0 seconds or None; got timeout={self.timeout!r}.")
+            raise ValueError(
+                f"LaunchConfig.timeout must be > 0 seconds or None; got timeout={self.timeout!r}."
+            )
         if self.grace < 0:
             raise ValueError(f"LaunchConfig.grace must be >= 0 seconds; got grace={self.grace!r}.")
         if self.bind_gpus and self.devices_per_proc is None:
-            raise ValueError("LaunchConfig.bind_gpus needs devices_per_proc (GPUs per process); got None.")
+            raise ValueError(
+                "LaunchConfig.bind_gpus needs devices_per_proc (GPUs per process); got None."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +181,21 @@ class LaunchResult:
         n = len(self.exits)
         if self.timed_out:
             running = [e.process_id for e in self.exits if e.stopped_by_launcher]
-            return (f"timed out after {self.wall_s:.1f} s; killed still-running process(es) {running}; "
-                    f"exit status {EXIT_TIMEOUT}.")
+            return (
+                f"timed out after {self.wall_s:.1f} s; killed still-running process(es) {running}; "
+                f"exit status {EXIT_TIMEOUT}."
+            )
         if self.failed is None:
             return f"all {n} processes exited with status 0 in {self.wall_s:.1f} s."
         first = self.exits[self.failed]
-        others = ", ".join(f"p{e.process_id}: {e.describe()}" for e in self.exits if e.process_id != self.failed)
-        return (f"process {self.failed} of {n} failed first ({first.describe()})"
-                + (f"; others: {others}" if others else "") + f"; exit status {self.returncode}.")
+        others = ", ".join(
+            f"p{e.process_id}: {e.describe()}" for e in self.exits if e.process_id != self.failed
+        )
+        return (
+            f"process {self.failed} of {n} failed first ({first.describe()})"
+            + (f"; others: {others}" if others else "")
+            + f"; exit status {self.returncode}."
+        )
 
 
 def describe_returncode(code: int) -> str:
@@ -197,33 +217,51 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _strip_device_count_flag(xla_flags: str) -> str:
-    """``XLA_FLAGS`` without ``--xla_force_host_platform_device_count`` (devices_per_proc decides)."""
-    return " ".join(f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    """``XLA_FLAGS`` without ``--xla_force_host_platform_device_count``
+    (devices_per_proc decides).
+    """
+    return " ".join(
+        f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
 
 
 def _gpu_block(config: LaunchConfig, process_id: int, environ: Mapping[str, str]) -> str:
-    """Process ``process_id``'s ``CUDA_VISIBLE_DEVICES``: its block of ``devices_per_proc`` visible GPUs."""
+    """Process ``process_id``'s ``CUDA_VISIBLE_DEVICES``: its block of ``devices_per_proc``
+    visible GPUs.
+    """
     k = config.devices_per_proc
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x for x in visible.split(",") if x] if visible else [str(i) for i in range(config.nproc * k)]
+    ids = (
+        [x for x in visible.split(",") if x]
+        if visible
+        else [str(i) for i in range(config.nproc * k)]
+    )
     if len(ids) < config.nproc * k:
-        raise ValueError(f"LaunchConfig.bind_gpus: {config.nproc} processes x {k} GPUs need {config.nproc * k} GPUs; "
-                         f"CUDA_VISIBLE_DEVICES lists {len(ids)}.")
-    return ",".join(ids[process_id * k:(process_id + 1) * k])
+        raise ValueError(
+            f"LaunchConfig.bind_gpus: {config.nproc} processes x {k} GPUs need "
+            f"{config.nproc * k} GPUs; CUDA_VISIBLE_DEVICES lists {len(ids)}."
+        )
+    return ",".join(ids[process_id * k : (process_id + 1) * k])
 
 
-def child_env(config: LaunchConfig, process_id: int, port: int, environ: Mapping[str, str] | None = None) -> dict:
-    """The environment of process ``process_id``: the launcher's, plus the ``LWJAX_*`` job settings."""
+def child_env(
+    config: LaunchConfig, process_id: int, port: int, environ: Mapping[str, str] | None = None
+) -> dict:
+    """The environment of process ``process_id``: the launcher's, plus the ``LWJAX_*``
+    job settings.
+    """
     environ = dict(os.environ if environ is None else environ)
     env = {**environ, **config.env}
-    env.update({
-        _dist.ENV_COORDINATOR: f"{config.host}:{port}",
-        _dist.ENV_NUM_PROCESSES: str(config.nproc),
-        _dist.ENV_PROCESS_ID: str(process_id),
-        _dist.ENV_HEARTBEAT_TIMEOUT: str(config.heartbeat_timeout),
-        _dist.ENV_INIT_TIMEOUT: str(config.init_timeout),
-        "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
-    })
+    env.update(
+        {
+            _dist.ENV_COORDINATOR: f"{config.host}:{port}",
+            _dist.ENV_NUM_PROCESSES: str(config.nproc),
+            _dist.ENV_PROCESS_ID: str(process_id),
+            _dist.ENV_HEARTBEAT_TIMEOUT: str(config.heartbeat_timeout),
+            _dist.ENV_INIT_TIMEOUT: str(config.init_timeout),
+            "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
+        }
+    )
     env.pop(_dist.ENV_CLUSTER_DETECTION, None)  # the launcher, not the cluster, says who is who
     if config.devices_per_proc is not None:
         env[_dist.ENV_CPU_DEVICES] = str(config.devices_per_proc)
@@ -263,7 +301,9 @@ class _Child:
         events.put(index)
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the child's process group (the child and anything it started), by its pid."""
+        """Send ``sig`` to the child's process group (the child and anything it started),
+        by its pid.
+        """
         if self.done.is_set():
             return
         try:
@@ -276,7 +316,9 @@ class _Child:
 
 
 def _stop(children: Sequence[_Child], grace: float) -> set[int]:
-    """SIGTERM every running child, SIGKILL what is left after ``grace``; return whom it signalled."""
+    """SIGTERM every running child, SIGKILL what is left after ``grace``;
+    return whom it signalled.
+    """
     running = {i for i, c in enumerate(children) if not c.done.is_set()}
     for i in running:
         children[i].signal(signal.SIGTERM)
@@ -294,7 +336,9 @@ class _Interrupted(Exception):
     """SIGTERM reached the launcher."""
 
 
-def launch(config: LaunchConfig, *, out: TextIO | None = None, report: TextIO | None = None) -> LaunchResult:
+def launch(
+    config: LaunchConfig, *, out: TextIO | None = None, report: TextIO | None = None
+) -> LaunchResult:
     """Run ``config.command`` as ``config.nproc`` processes of one job; wait for them.
 
     Args:
@@ -321,6 +365,7 @@ def launch(config: LaunchConfig, *, out: TextIO | None = None, report: TextIO | 
     failed, timed_out = None, False
     previous_handler = None
     if threading.current_thread() is threading.main_thread():
+
         def on_sigterm(signum, frame):
             raise _Interrupted()
 
@@ -329,12 +374,21 @@ def launch(config: LaunchConfig, *, out: TextIO | None = None, report: TextIO | 
     try:
         for i in range(config.nproc):
             proc = subprocess.Popen(
-                list(config.command), env=child_env(config, i, port), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
-                start_new_session=True,  # its own process group: stopped as a whole, spared the terminal's ^C
+                list(config.command),
+                env=child_env(config, i, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                bufsize=1,
+                # its own process group: stopped as a whole, spared the terminal's ^C
+                start_new_session=True,
             )
             children.append(_Child(proc, events, i))
-            thread = threading.Thread(target=_forward, args=(proc.stdout, i, out, lock, config.show_gloo), daemon=True)
+            thread = threading.Thread(
+                target=_forward, args=(proc.stdout, i, out, lock, config.show_gloo), daemon=True
+            )
             thread.start()
             forwarders.append(thread)
         deadline = None if config.timeout is None else start + config.timeout
@@ -358,7 +412,9 @@ def launch(config: LaunchConfig, *, out: TextIO | None = None, report: TextIO | 
         _stop(children, config.grace)
         raise KeyboardInterrupt from None
     finally:
-        if any(not c.done.is_set() for c in children):  # an unexpected error above: leave no child behind
+        if any(
+            not c.done.is_set() for c in children
+        ):  # an unexpected error above: leave no child behind
             _stop(children, 0.0)
         for thread in forwarders:
             thread.join(timeout=5.0)
@@ -366,8 +422,12 @@ def launch(config: LaunchConfig, *, out: TextIO | None = None, report: TextIO | 
             signal.signal(signal.SIGTERM, previous_handler)
     wall = max(c.end for c in children) - start
     by_launcher = (-signal.SIGTERM, -signal.SIGKILL)
-    exits = tuple(ProcessExit(i, c.proc.returncode, i in stopped and c.proc.returncode in by_launcher, c.end - start)
-                  for i, c in enumerate(children))
+    exits = tuple(
+        ProcessExit(
+            i, c.proc.returncode, i in stopped and c.proc.returncode in by_launcher, c.end - start
+        )
+        for i, c in enumerate(children)
+    )
     result = LaunchResult(exits, failed, timed_out, wall, address)
     if result.returncode:
         print(f"lwjax launch: {result.message}", file=report, flush=True)

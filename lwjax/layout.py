@@ -6,10 +6,11 @@ equal, contiguous shards, one per data-parallel rank; in a layer-wise layout no
 parameter crosses a shard boundary, so the rank that owns a shard owns whole
 parameters and can run Muon on them.
 
-Producers and consumers: :mod:`lwjax.policies` computes layouts;
-:mod:`lwjax.buffers` and the optimizer consume them knowing nothing of how they
-were made. Everything here is frozen and hashable, so a layout can be closed
-over or passed as a static argument to ``jax.jit``.
+Producers and consumers: :mod:`lwjax.policies` computes layouts (as a
+:class:`LayoutConfig` asks); :mod:`lwjax.plan` turns them into per-rank tables
+and the optimizer consumes those, knowing nothing of how they were made.
+Everything here is frozen and hashable, so a layout can be closed over or
+passed as a static argument to ``jax.jit``.
 
 Alignment rules (Megatron-Core's ``param_layout.py``):
 
@@ -25,10 +26,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal
 
 PARAM_ALIGN = 64
 BUCKET_ALIGN = 128
 HIGH_BUSBW_ALIGN = 2**16
+
+LayoutPolicy = Literal["ns_cost", "lpt", "size_matching"]
+POLICIES: tuple[str, ...] = ("ns_cost", "lpt", "size_matching")
+DEFAULT_POLICY: LayoutPolicy = "ns_cost"
+AUTO_BUCKET_MIN = 40_000_000  # Megatron's DDP bucket size: max(40M, 1M * dp) elements
+AUTO_BUCKET_PER_RANK = 1_000_000
 
 
 def pad_to_divisor(value: int, divisor: int) -> int:
@@ -60,6 +68,55 @@ def shard_divisor(dp: int, high_busbw: bool = False) -> int:
     ends on a legal bucket end and every shard starts 64-aligned.
     """
     return math.lcm(PARAM_ALIGN, bucket_end_divisor(dp, high_busbw) // dp)
+
+
+def default_bucket_size(dp: int) -> int:
+    """Megatron's default DDP bucket size in elements: ``max(40M, 1M * dp)``."""
+    return max(AUTO_BUCKET_MIN, AUTO_BUCKET_PER_RANK * dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutConfig:
+    """How parameters are laid out in buckets and shards (the options of :mod:`lwjax.policies`).
+
+    Attributes:
+      policy: Layer-wise policy, one of :data:`POLICIES`.
+      bucket_size: Bucket size in elements (a soft minimum for layer-wise
+        buffers); ``None``: one bucket per buffer (tied embeddings apart);
+        ``"auto"``: Megatron's DDP default, :func:`default_bucket_size` of the
+        data-parallel size. Several buckets let one bucket's all-gather run
+        during a later bucket's Newton–Schulz (:mod:`lwjax.schedule`).
+      high_busbw: Pad bucket ends to multiples of ``2**16`` elements for NCCL
+        bus bandwidth (Megatron's ``--ddp-pad-buckets-for-high-nccl-busbw``).
+    """
+
+    policy: LayoutPolicy = DEFAULT_POLICY
+    bucket_size: int | Literal["auto"] | None = "auto"
+    high_busbw: bool = False
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"LayoutConfig.policy must be one of {POLICIES}; got policy={self.policy!r}."
+            )
+        size = self.bucket_size
+        if (
+            size != "auto"
+            and size is not None
+            and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
+        ):
+            raise ValueError(
+                "LayoutConfig.bucket_size must be 'auto', None or a positive integer; "
+                f"got bucket_size={size!r}."
+            )
+        if not isinstance(self.high_busbw, bool):
+            raise TypeError(
+                f"LayoutConfig.high_busbw must be a bool, but got {type(self.high_busbw).__name__}."
+            )
+
+    def bucket_size_for(self, dp: int) -> int | None:
+        """The bucket size in elements for ``dp`` data-parallel ranks (``"auto"`` resolved)."""
+        return default_bucket_size(dp) if self.bucket_size == "auto" else self.bucket_size
 
 
 class FrozenDict(Mapping):
@@ -120,7 +177,9 @@ class ParamSpec:
             raise ValueError(f"ParamSpec.name must be a non-empty string; got {self.name!r}.")
         shape = self.shape
         if isinstance(shape, int) or not isinstance(shape, Sequence):
-            raise ValueError(f"{self.name}: shape must be a sequence of positive integers; got {shape=}.")
+            raise ValueError(
+                f"{self.name}: shape must be a sequence of positive integers; got {shape=}."
+            )
         for dim in shape:
             if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
                 raise ValueError(

@@ -18,73 +18,32 @@ All policies walk the parameters in backprop order (reverse definition order),
 isolate tied embeddings in buckets of their own (whole, in shard 0), start every
 parameter on a 64-element boundary and keep shards of a bucket equal-sized.
 
-Elementwise (non-Muon) buffers use :func:`compute_distributed_optimizer_layout`,
-Megatron's byte-level layout whose shards may split parameters. The legacy
-ping-pong ownership, used by Megatron when no layout is given, is
-:func:`ping_pong_ownership`.
+Elementwise (non-Muon) buffers use Megatron's byte-level layout, whose shards
+may split parameters (:mod:`lwjax.elementwise_layout`);
+:func:`compute_full_param_layout` groups a model's parameters into buffers and
+lays out each with the one it needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Literal
+import dataclasses
+from collections.abc import Sequence
 
+from lwjax.cost import ns_cost
+from lwjax.elementwise_layout import check_size, check_specs, compute_distributed_optimizer_layout
 from lwjax.layout import (
     BufferKey,
     FullParamLayout,
+    LayoutConfig,
     ParamSpec,
     PerBufferParamLayout,
-    pad_bucket_end,
     pad_param_start,
     pad_to_divisor,
     shard_divisor,
 )
 
-POLICIES = ("ns_cost", "lpt", "size_matching")
-LayoutPolicy = Literal["ns_cost", "lpt", "size_matching"]
-DEFAULT_POLICY: LayoutPolicy = "ns_cost"
-
 NUMEL_CAP_SLACK = 0.3  # ns_cost: a shard may hold up to 1.3x the even element share.
 PADDING_FLOOR = 0.9  # a bucket is at least 0.9 * dp * (largest parameter) elements.
-
-
-def ns_cost(spec: ParamSpec) -> int:
-    """Estimated Newton–Schulz cost: ``max(m, n) * min(m, n)**2`` for a matrix, else numel."""
-    if len(spec.shape) != 2:
-        return spec.numel
-    m, n = spec.shape
-    return max(m, n) * min(m, n) ** 2
-
-
-DEFAULT_NUM_NS_STEPS = 5
-
-
-def ns_flops(shape: Sequence[int], num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
-             qkv_split_shapes: Sequence[int] | None = None, *,
-             symmetric_share: Callable[[int, int], float] | None = None) -> int:
-    """Newton–Schulz FLOPs of one optimizer step for a matrix of ``shape``.
-
-    ``num_ns_steps * (4 * s**2 * l + 2 * s**3)`` with ``s = min(m, n)``,
-    ``l = max(m, n)``; ``0`` for anything that is not 2-D. With a QKV split
-    (rows as stored), each of the q, k and v blocks is orthogonalised on its own.
-    ``symmetric_share(s, l)``, if given, is the share of the two symmetric
-    products (:math:`X X^\\top`: ``2 * s**2 * l``, :math:`A^2`: ``2 * s**3``)
-    that is computed, for a kernel that skips one triangle.
-    """
-    if len(shape) != 2:
-        return 0
-    if qkv_split_shapes:
-        groups, rest = divmod(shape[0], sum(qkv_split_shapes))
-        if rest:
-            raise ValueError(f"ns_flops: {shape[0]} rows do not divide into q/k/v groups of {sum(qkv_split_shapes)} "
-                             f"(qkv_split_shapes={tuple(qkv_split_shapes)}).")
-        return sum(ns_flops((groups * rows, shape[1]), num_ns_steps, symmetric_share=symmetric_share)
-                   for rows in qkv_split_shapes)
-    s, l = sorted(shape)
-    symmetric, update = 2 * s * s * l + 2 * s**3, 2 * s * s * l
-    if symmetric_share is not None:
-        symmetric = round(symmetric * symmetric_share(s, l))
-    return num_ns_steps * (symmetric + update)
 
 
 class _BucketWriter:
@@ -202,7 +161,9 @@ def _layout_ns_cost(specs, dp, bucket_size, writer: _BucketWriter) -> None:
 
     def absorbs(numel: int) -> bool:
         """Whether the next parameter fits without growing the bucket's shard size."""
-        return pad_param_start(min(estimate)) + numel <= pad_to_divisor(max(estimate), writer.divisor)
+        return pad_param_start(min(estimate)) + numel <= pad_to_divisor(
+            max(estimate), writer.divisor
+        )
 
     for spec in reversed(specs):
         if spec.is_shared_embedding:
@@ -287,33 +248,16 @@ _POLICY_FUNCTIONS = {
 }
 
 
-def _check_size(where: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name} must be a positive integer; got {name}={value!r}.")
-
-
-def _check_specs(specs: Sequence[ParamSpec], dp: int, bucket_size: int | None, where: str) -> None:
-    _check_size(where, "dp", dp)
-    if bucket_size is not None and (
-        isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-    ):
-        raise ValueError(f"{where}: bucket_size must be None or a positive integer; got {bucket_size=}.")
-    seen: set[str] = set()
-    for spec in specs:
-        if not isinstance(spec, ParamSpec):
-            raise TypeError(f"{where}: parameters must be ParamSpec, but got {type(spec).__name__}.")
-        if spec.name in seen:
-            raise ValueError(f"{spec.name}: duplicate parameter name; names must be unique.")
-        seen.add(spec.name)
+def _check_config(where: str, config) -> None:
+    if not isinstance(config, LayoutConfig):
+        raise TypeError(f"{where}: config must be a LayoutConfig, but got {type(config).__name__}.")
 
 
 def compute_layout(
     specs: Sequence[ParamSpec],
     dp: int,
+    config: LayoutConfig = LayoutConfig(bucket_size=None),
     *,
-    policy: LayoutPolicy = DEFAULT_POLICY,
-    bucket_size: int | None = None,
-    high_busbw: bool = False,
     param_indices: Sequence[int] | None = None,
     max_shard_numel: int | None = None,
 ) -> PerBufferParamLayout:
@@ -322,10 +266,9 @@ def compute_layout(
     Args:
       specs: The buffer's parameters in definition (forward) order.
       dp: Number of shards per bucket (the data-parallel size of the buffer).
-      policy: One of :data:`POLICIES`.
-      bucket_size: Soft minimum bucket size in elements; ``None`` puts every
-        parameter but tied embeddings into one bucket.
-      high_busbw: Pad bucket ends to ``2**16``-multiples for NCCL bus bandwidth.
+      config: Policy, bucket size (``"auto"`` resolved with ``dp``) and padding;
+        by default one bucket (Megatron's layout functions' default), where
+        :func:`lwjax.layerwise_muon` defaults to ``LayoutConfig()``.
       param_indices: Stored as the layout's ``param_indices``; defaults to
         ``0..len(specs)-1``.
       max_shard_numel: Optional hard limit on a shard's elements; a parameter
@@ -335,12 +278,11 @@ def compute_layout(
       The layout; every parameter lies wholly inside one shard.
 
     Raises:
-      ValueError: unknown policy, ``dp < 1``, duplicate names, a bad
-        ``bucket_size``, or a parameter larger than ``max_shard_numel``.
+      ValueError: ``dp < 1``, duplicate names, or a parameter larger than
+        ``max_shard_numel``.
     """
-    if policy not in _POLICY_FUNCTIONS:
-        raise ValueError(f"compute_layout: policy must be one of {POLICIES}; got {policy=}.")
-    _check_specs(specs, dp, bucket_size, "compute_layout")
+    _check_config("compute_layout", config)
+    check_specs(specs, dp, "compute_layout")
     if max_shard_numel is not None:
         for spec in specs:
             if spec.numel > max_shard_numel:
@@ -348,67 +290,10 @@ def compute_layout(
                     f"{spec.name}: {spec.numel} elements exceed max_shard_numel={max_shard_numel}; "
                     "a parameter must fit whole inside one shard."
                 )
-    writer = _BucketWriter(dp, high_busbw)
-    _POLICY_FUNCTIONS[policy](list(specs), dp, bucket_size, writer)
+    writer = _BucketWriter(dp, config.high_busbw)
+    _POLICY_FUNCTIONS[config.policy](list(specs), dp, config.bucket_size_for(dp), writer)
     indices = range(len(specs)) if param_indices is None else param_indices
     return writer.finish(specs, indices)
-
-
-def compute_distributed_optimizer_layout(
-    specs: Sequence[ParamSpec],
-    dp: int,
-    *,
-    bucket_size: int | None = None,
-    high_busbw: bool = False,
-    param_indices: Sequence[int] | None = None,
-) -> PerBufferParamLayout:
-    """Compute Megatron's byte-level distributed-optimizer layout of an elementwise buffer.
-
-    Parameters are packed back to back in backprop order (64-aligned); a bucket
-    closes once it reaches ``bucket_size`` elements or after a tied embedding
-    (which also starts a fresh bucket), and its end is padded to a multiple of
-    ``lcm(dp, 128)``. Shards are plain ``1/dp`` slices of a bucket, so a
-    parameter may straddle two ranks; that is fine for elementwise optimizers.
-
-    Args and Raises: as :func:`compute_layout`, without ``policy``.
-    """
-    _check_specs(specs, dp, bucket_size, "compute_distributed_optimizer_layout")
-    index_map: dict[str, tuple[int, int, int]] = {}
-    buckets: list[tuple[int, int]] = []
-    unpadded: list[int] = []
-    bucket_start = start = end = 0
-    in_bucket = 0
-
-    def close(at: int) -> None:
-        nonlocal bucket_start, start, in_bucket
-        unpadded.append(at - bucket_start)
-        bucket_end = pad_bucket_end(at, dp, high_busbw)
-        buckets.append((bucket_start, bucket_end))
-        bucket_start = start = bucket_end
-        in_bucket = 0
-
-    for spec in reversed(specs):
-        start = pad_param_start(start)
-        if spec.is_shared_embedding and in_bucket:
-            close(start)
-        end = start + spec.numel
-        index_map[spec.name] = (start, end, len(buckets))
-        in_bucket += 1
-        if spec.is_shared_embedding or (bucket_size is not None and end - bucket_start >= bucket_size):
-            close(end)
-        else:
-            start = end
-    if in_bucket:
-        close(end)
-    order = {spec.name: i for i, spec in enumerate(specs)}
-    return PerBufferParamLayout(
-        param_index_map=dict(sorted(index_map.items(), key=lambda kv: order[kv[0]])),
-        bucket_indices=tuple(buckets),
-        per_bucket_numel_unpadded=tuple(unpadded),
-        param_indices=tuple(range(len(specs)) if param_indices is None else param_indices),
-        num_shards=dp,
-        is_layer_wise=False,
-    )
 
 
 def buffer_key_of(spec: ParamSpec, *, grad_reduce_in_fp32: bool = True) -> BufferKey:
@@ -424,88 +309,54 @@ def buffer_key_of(spec: ParamSpec, *, grad_reduce_in_fp32: bool = True) -> Buffe
 def compute_full_param_layout(
     specs: Sequence[ParamSpec],
     dp: int,
+    config: LayoutConfig = LayoutConfig(bucket_size=None),
     *,
-    policy: LayoutPolicy = DEFAULT_POLICY,
-    bucket_size: int | None = None,
-    high_busbw: bool = False,
     expert_dp: int | None = None,
     grad_reduce_in_fp32: bool = True,
 ) -> FullParamLayout:
     """Group parameters into buffers by :class:`BufferKey` and lay each out.
 
     Keys appear in first-appearance order over ``specs`` (definition order).
-    Muon buffers get the layer-wise ``policy``; elementwise buffers the
+    Muon buffers get the layer-wise ``config.policy``; elementwise buffers the
     distributed-optimizer layout. Expert buffers are laid out over ``expert_dp``
-    shards (``dp`` when ``None``).
+    shards (``dp`` when ``None``). Every buffer gets the same bucket size,
+    ``"auto"`` resolved with ``dp``.
 
     Args:
       specs: All parameters of the model, in definition order.
       dp: Data-parallel size of dense buffers.
-      policy: Layer-wise policy, one of :data:`POLICIES`.
-      bucket_size: Bucket size in elements, or ``None`` for one bucket per buffer.
-      high_busbw: Pad bucket ends for high NCCL bus bandwidth.
+      config: Policy, bucket size and padding (:class:`~lwjax.layout.LayoutConfig`);
+        by default one bucket per buffer, as :func:`compute_layout`.
       expert_dp: Data-parallel size seen by expert parameters.
       grad_reduce_in_fp32: Gradients are reduced in fp32 (sets ``grad_dtype``).
 
     Returns:
       A :class:`FullParamLayout`.
+
+    Examples:
+      >>> specs = [ParamSpec("w", (256, 256), is_muon=True), ParamSpec("b", (256,))]
+      >>> full = compute_full_param_layout(specs, 2, LayoutConfig(policy="lpt"))
+      >>> [(key.is_layer_wise, layout.numel) for key, layout in full.layouts.items()]
+      [(True, 131072), (False, 256)]
     """
-    if policy not in _POLICY_FUNCTIONS:
-        raise ValueError(f"compute_full_param_layout: policy must be one of {POLICIES}; got {policy=}.")
-    _check_specs(specs, dp, bucket_size, "compute_full_param_layout")
+    _check_config("compute_full_param_layout", config)
+    check_specs(specs, dp, "compute_full_param_layout")
     if expert_dp is not None:
-        _check_size("compute_full_param_layout", "expert_dp", expert_dp)
+        check_size("compute_full_param_layout", "expert_dp", expert_dp)
+    bucket_size = config.bucket_size_for(dp)
+    resolved = dataclasses.replace(config, bucket_size=bucket_size)
     groups: dict[BufferKey, list[ParamSpec]] = {}
     for spec in specs:
-        groups.setdefault(buffer_key_of(spec, grad_reduce_in_fp32=grad_reduce_in_fp32), []).append(spec)
+        groups.setdefault(buffer_key_of(spec, grad_reduce_in_fp32=grad_reduce_in_fp32), []).append(
+            spec
+        )
     layouts = {}
     for key, members in groups.items():
         size = expert_dp if key.is_expert_parallel and expert_dp is not None else dp
         if key.is_layer_wise:
-            layouts[key] = compute_layout(
-                members, size, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw
-            )
+            layouts[key] = compute_layout(members, size, resolved)
         else:
             layouts[key] = compute_distributed_optimizer_layout(
-                members, size, bucket_size=bucket_size, high_busbw=high_busbw
+                members, size, bucket_size=bucket_size, high_busbw=config.high_busbw
             )
     return FullParamLayout(layouts)
-
-
-def ping_pong_ownership(
-    groups: Sequence[tuple[bool, Sequence[ParamSpec]]],
-    dp: int,
-    expert_dp: int = 1,
-) -> tuple[list[list[str]], list[list[str]] | None]:
-    """Megatron's legacy ownership when no layout is used (gradients all-reduced).
-
-    All parameters of all optimizer groups are stable-sorted by element count
-    and dealt out along ``0, 1, ..., dp-1, dp-1, ..., 0`` (repeating); dense and
-    expert parameters use separate cursors and rank spaces.
-
-    Args:
-      groups: ``(is_expert_parallel, params)`` per optimizer parameter group, in
-        optimizer order.
-      dp: Dense data-parallel size.
-      expert_dp: Expert data-parallel size.
-
-    Returns:
-      ``(dense, expert)``: parameter names per rank; ``expert`` is ``None``
-      when ``expert_dp == 1`` or expert rank 0 owns nothing.
-    """
-    _check_size("ping_pong_ownership", "dp", dp)
-    _check_size("ping_pong_ownership", "expert_dp", expert_dp)
-    items = [(spec, is_expert) for is_expert, params in groups for spec in params]
-    items.sort(key=lambda item: item[0].numel)
-    dense: list[list[str]] = [[] for _ in range(dp)]
-    expert: list[list[str]] = [[] for _ in range(expert_dp)]
-    counts = {False: 0, True: 0}
-    for spec, is_expert in items:
-        ranks = expert if is_expert else dense
-        size = len(ranks)
-        i = counts[is_expert] % (2 * size)
-        ranks[i if i < size else 2 * size - 1 - i].append(spec.name)
-        counts[is_expert] += 1
-    if expert_dp == 1 or not expert[0]:
-        return dense, None
-    return dense, expert

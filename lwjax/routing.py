@@ -1,7 +1,7 @@
 """Routing: which parameters are Muon matrices, tied or expert, by pytree path (pure Python).
 
 Leaves arrive as ``(key_path, shape, dtype)`` records (see
-:func:`lwjax.buffers.leaf_records`, which flattens any pytree: plain dicts,
+:func:`lwjax.optimizer.route_params`, which flattens any pytree: plain dicts,
 flax nnx ``State``, flax linen ``params``). Names come from the key path,
 joined with ``/``; a trailing ``value`` attribute (flax nnx variables) is
 dropped, so an nnx kernel reads ``blocks/0/mlp/up/kernel``.
@@ -25,8 +25,9 @@ Per-parameter options, Megatron's parameter groups: ``lr_mult`` and
 ``wd_mult`` scale the learning rate and weight decay, and ``grad_norm_group``
 puts a parameter into a separately clipped gradient-norm group (e.g. ``"mtp"``).
 
-Rules are given as ``{glob_pattern: value}`` mappings (first match wins,
-patterns match the whole name with :func:`fnmatch.fnmatchcase`) or as callables
+The rules travel together as one frozen :class:`RoutingRules`. Each is a
+``{glob_pattern: value}`` mapping (first match wins, patterns match the whole
+name with :func:`fnmatch.fnmatchcase`) or a callable
 ``rule(name, shape) -> value or None`` (``None`` falls back to the default).
 """
 
@@ -39,12 +40,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from lwjax.layout import ParamSpec
+from lwjax.layout import FrozenDict, ParamSpec
 
 T = TypeVar("T")
 Rule = Mapping[str, T] | Callable[[str, tuple[int, ...]], T | None] | None
 
-EMBEDDING_OR_OUTPUT = re.compile(r"(^|[/.])([^/.]*embed[^/.]*|wte|wpe|lm_head|head|output_layer)([/.]|$)")
+EMBEDDING_OR_OUTPUT = re.compile(
+    r"(^|[/.])([^/.]*embed[^/.]*|wte|wpe|lm_head|head|output_layer)([/.]|$)"
+)
 
 
 def path_name(key_path: Iterable[Any]) -> str:
@@ -79,27 +82,81 @@ def is_embedding_or_output(name: str) -> bool:
     return EMBEDDING_OR_OUTPUT.search(name.lower()) is not None
 
 
-def _apply_rule(rule: Rule, name: str, shape: tuple[int, ...], what: str):
+def _apply_rule(rule: Rule, name: str, shape: tuple[int, ...]):
     """Value of ``rule`` for a parameter, or ``None`` when it does not decide."""
     if rule is None:
         return None
     if callable(rule):
         return rule(name, shape)
-    if isinstance(rule, Mapping):
-        for pattern, value in rule.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                return value
-        return None
-    raise TypeError(f"routing: {what} must be a mapping of glob patterns or a callable, but got {type(rule).__name__}.")
+    for pattern, value in rule.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return value
+    return None
 
 
-def _as_flag_rule(rule) -> Rule:
-    """Let flag rules also be given as a sequence of patterns (all mean True)."""
-    if isinstance(rule, str):
-        return {rule: True}
-    if isinstance(rule, Sequence):
-        return dict.fromkeys(rule, True)
-    return rule
+_FLAG_RULES = ("tied", "expert")  # may also be a pattern or a sequence of patterns (all mean True)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class RoutingRules:
+    """How leaves route, overriding the defaults (see the module docstring).
+
+    Each field is ``None`` (the default rule), a ``{glob_pattern: value}``
+    mapping or a callable ``rule(name, shape) -> value or None``.
+
+    Attributes:
+      is_muon: Overrides the default Muon rule (2-D and not embedding/output);
+        a callable gets the shape after the stacked axes.
+      stacked: Number of leading stack axes per leaf (default 0; 1 for expert leaves).
+      tied: Tied embeddings (isolated bucket, never Muon); also a pattern or a
+        sequence of patterns.
+      expert: Expert-parallel leaves; also patterns. ``True`` puts the expert
+        axis on the last stacked axis; an ``int`` names the stacked axis that
+        indexes experts.
+      qkv_split: Per fused QKV Muon matrix, the q, k, v output rows of one
+        query group; Muon orthogonalises the three blocks separately.
+      lr_mult: Learning-rate multiplier (default 1).
+      wd_mult: Weight-decay multiplier (default 1).
+      grad_norm_group: Name of a separate gradient-norm group (e.g. ``"mtp"``):
+        its parameters leave the main norm and are clipped by their own.
+
+    Raises:
+      TypeError: A rule that is neither ``None``, a mapping nor a callable.
+    """
+
+    is_muon: Rule[bool] = None
+    stacked: Rule[int] = None
+    tied: Rule[bool] | str | Sequence[str] = None
+    expert: Rule[bool | int] | str | Sequence[str] = None
+    qkv_split: Rule[tuple[int, ...]] = None
+    lr_mult: Rule[float] = None
+    wd_mult: Rule[float] = None
+    grad_norm_group: Rule[str] = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            rule = getattr(self, field.name)
+            if field.name in _FLAG_RULES and isinstance(rule, str):
+                rule = {rule: True}
+            elif field.name in _FLAG_RULES and isinstance(rule, Sequence):
+                rule = dict.fromkeys(rule, True)
+            if isinstance(rule, Mapping):
+                rule = FrozenDict(rule)
+            elif rule is not None and not callable(rule):
+                raise TypeError(
+                    f"RoutingRules.{field.name} must be a mapping of glob patterns, a callable "
+                    "or None, "
+                    f"but got {type(rule).__name__}."
+                )
+            object.__setattr__(self, field.name, rule)
+
+    def __repr__(self) -> str:
+        rules = ", ".join(
+            f"{f.name}={dict(v) if isinstance(v, Mapping) else v!r}"
+            for f in dataclasses.fields(self)
+            if (v := getattr(self, f.name)) is not None
+        )
+        return f"RoutingRules({rules})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +251,8 @@ class LeafRoute:
 
 def route_leaves(
     leaves: Iterable[tuple[Any, Sequence[int], Any]],
+    rules: RoutingRules = RoutingRules(),
     *,
-    is_muon: Rule[bool] = None,
-    stacked: Rule[int] = None,
-    tied: Rule[bool] | Sequence[str] = None,
-    expert: Rule[bool] | Sequence[str] = None,
-    qkv_split: Rule[tuple[int, ...]] = None,
-    lr_mult: Rule[float] = None,
-    wd_mult: Rule[float] = None,
-    grad_norm_group: Rule[str] = None,
     expert_parallel: int = 1,
 ) -> tuple[LeafRoute, ...]:
     """Decide, per leaf, its name, stacking, optimizer and parameter-group options.
@@ -210,18 +260,7 @@ def route_leaves(
     Args:
       leaves: ``(key_path, shape, dtype)`` per leaf in pytree flatten order;
         ``key_path`` is a jax key path, a tuple of strings/ints, or a name.
-      is_muon: Overrides the default Muon rule (2-D and not embedding/output).
-      stacked: Number of leading stack axes per leaf (default 0).
-      tied: Tied embeddings; never Muon.
-      expert: Expert-parallel leaves. ``True`` puts the expert axis on the
-        last stacked axis (expert leaves are stacked once by default); an
-        ``int`` names the stacked axis that indexes experts.
-      qkv_split: Per fused QKV Muon matrix, the q, k, v output rows of one
-        query group; Muon orthogonalises the three blocks separately.
-      lr_mult: Learning-rate multiplier (default 1).
-      wd_mult: Weight-decay multiplier (default 1).
-      grad_norm_group: Name of a separate gradient-norm group (e.g. ``"mtp"``):
-        its parameters leave the main norm and are clipped by their own.
+      rules: The :class:`RoutingRules` overriding the defaults.
       expert_parallel: Expert-parallel size; every expert axis must divide by it.
 
     Returns:
@@ -232,82 +271,116 @@ def route_leaves(
         is not 2-D, a stack count out of range, an expert axis that is not
         stacked or does not divide by ``expert_parallel``, or a bad multiplier
         or group name.
+
+    Examples:
+      >>> routes = route_leaves([("blocks/w", (4, 8, 8), "float32"), ("head", (8, 16), "float32")],
+      ...                       RoutingRules(stacked={"blocks/*": 1}))
+      >>> [(r.path, r.num_params, r.is_muon) for r in routes]
+      [('blocks/w', 4, True), ('head', 1, False)]
     """
-    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) or expert_parallel < 1:
-        raise ValueError(f"route_leaves: expert_parallel must be a positive integer; got {expert_parallel=}.")
-    tied, expert = _as_flag_rule(tied), _as_flag_rule(expert)
+    if not isinstance(rules, RoutingRules):
+        raise TypeError(
+            f"route_leaves: rules must be a RoutingRules, but got {type(rules).__name__}."
+        )
+    if (
+        isinstance(expert_parallel, bool)
+        or not isinstance(expert_parallel, int)
+        or expert_parallel < 1
+    ):
+        raise ValueError(
+            f"route_leaves: expert_parallel must be a positive integer; got {expert_parallel=}."
+        )
     routes, seen = [], set()
     for key_path, shape, dtype in leaves:
         name = key_path if isinstance(key_path, str) else path_name(key_path)
-        shape = tuple(int(d) for d in shape)
-        dtype_name = str(getattr(dtype, "name", dtype))
         if name in seen:
             raise ValueError(f"{name}: two leaves share this name; leaf names must be unique.")
         seen.add(name)
-        if not (dtype_name.startswith("float") or dtype_name.startswith("bfloat")):
-            raise ValueError(
-                f"{name}: parameters must be floating point; got dtype={dtype_name}. "
-                "Keep integer state out of the parameter tree."
-            )
-        expert_value = _apply_rule(expert, name, shape, "expert")
-        is_expert = expert_value is not None and expert_value is not False
-        stack = _apply_rule(stacked, name, shape, "stacked")
-        stack = (1 if is_expert else 0) if stack is None else stack
-        if not 0 <= stack < max(len(shape), 1):
-            raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
-        param_shape = shape[stack:]
-        is_tied = bool(_apply_rule(tied, name, shape, "tied"))
-        muon = _apply_rule(is_muon, name, param_shape, "is_muon")
-        if muon is None:
-            muon = len(param_shape) == 2 and not is_tied and not is_embedding_or_output(name)
-        if muon and len(param_shape) != 2:
-            raise ValueError(
-                f"{name}: a Muon parameter must be a 2-D matrix; got {param_shape=} after "
-                f"{stack} stacked axes. Declare stacking with stacked=... or route it to AdamW with is_muon=..."
-            )
-        if muon and is_tied:
-            raise ValueError(f"{name}: a tied embedding is never a Muon matrix; route it to AdamW.")
-        split = _apply_rule(qkv_split, name, param_shape, "qkv_split")
-        if split is not None:
-            split = tuple(int(x) for x in split)
-            if not muon or not split or any(x < 1 for x in split):
-                raise ValueError(
-                    f"{name}: qkv_split needs a Muon matrix and positive row counts; got {split=}, is_muon={muon}."
-                )
-        expert_dim = _expert_dim(name, shape, stack, expert_value, expert_parallel) if is_expert else None
-        if is_expert and is_tied:
-            raise ValueError(f"{name}: a tied embedding cannot be an expert parameter; drop it from expert=...")
         routes.append(
-            LeafRoute(
-                path=name,
-                shape=shape,
-                dtype=dtype_name,
-                stack_dims=stack,
-                is_muon=bool(muon),
-                is_shared_embedding=is_tied,
-                is_expert=is_expert,
-                qkv_split_shapes=split,
-                expert_dim=expert_dim,
-                expert_parallel=expert_parallel if is_expert else 1,
-                lr_mult=_multiplier(name, "lr_mult", _apply_rule(lr_mult, name, shape, "lr_mult")),
-                wd_mult=_multiplier(name, "wd_mult", _apply_rule(wd_mult, name, shape, "wd_mult")),
-                grad_norm_group=_group_name(name, _apply_rule(grad_norm_group, name, shape, "grad_norm_group")),
+            _route_leaf(
+                name,
+                tuple(int(d) for d in shape),
+                str(getattr(dtype, "name", dtype)),
+                rules,
+                expert_parallel,
             )
         )
     return tuple(routes)
 
 
+def _route_leaf(
+    name: str, shape: tuple[int, ...], dtype_name: str, rules: RoutingRules, expert_parallel: int
+) -> LeafRoute:
+    """Apply ``rules`` (else the defaults) to one leaf."""
+    if not (dtype_name.startswith("float") or dtype_name.startswith("bfloat")):
+        raise ValueError(
+            f"{name}: parameters must be floating point; got dtype={dtype_name}. "
+            "Keep integer state out of the parameter tree."
+        )
+    expert_value = _apply_rule(rules.expert, name, shape)
+    is_expert = expert_value is not None and expert_value is not False
+    stack = _apply_rule(rules.stacked, name, shape)
+    stack = (1 if is_expert else 0) if stack is None else stack
+    if not 0 <= stack < max(len(shape), 1):
+        raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
+    param_shape = shape[stack:]
+    is_tied = bool(_apply_rule(rules.tied, name, shape))
+    muon = _apply_rule(rules.is_muon, name, param_shape)
+    if muon is None:
+        muon = len(param_shape) == 2 and not is_tied and not is_embedding_or_output(name)
+    if muon and len(param_shape) != 2:
+        raise ValueError(
+            f"{name}: a Muon parameter must be a 2-D matrix; got {param_shape=} after "
+            f"{stack} stacked axes. Declare stacking with stacked=... or route it to AdamW "
+            "with is_muon=..."
+        )
+    if muon and is_tied:
+        raise ValueError(f"{name}: a tied embedding is never a Muon matrix; route it to AdamW.")
+    split = _apply_rule(rules.qkv_split, name, param_shape)
+    if split is not None:
+        split = tuple(int(x) for x in split)
+        if not muon or not split or any(x < 1 for x in split):
+            raise ValueError(
+                f"{name}: qkv_split needs a Muon matrix and positive row counts; "
+                f"got {split=}, is_muon={muon}."
+            )
+    expert_dim = (
+        _expert_dim(name, shape, stack, expert_value, expert_parallel) if is_expert else None
+    )
+    if is_expert and is_tied:
+        raise ValueError(
+            f"{name}: a tied embedding cannot be an expert parameter; drop it from expert=..."
+        )
+    return LeafRoute(
+        path=name,
+        shape=shape,
+        dtype=dtype_name,
+        stack_dims=stack,
+        is_muon=bool(muon),
+        is_shared_embedding=is_tied,
+        is_expert=is_expert,
+        qkv_split_shapes=split,
+        expert_dim=expert_dim,
+        expert_parallel=expert_parallel if is_expert else 1,
+        lr_mult=_multiplier(name, "lr_mult", _apply_rule(rules.lr_mult, name, shape)),
+        wd_mult=_multiplier(name, "wd_mult", _apply_rule(rules.wd_mult, name, shape)),
+        grad_norm_group=_group_name(name, _apply_rule(rules.grad_norm_group, name, shape)),
+    )
+
+
 def _expert_dim(name: str, shape: tuple[int, ...], stack: int, value, expert_parallel: int) -> int:
-    """The stacked axis of an expert leaf that indexes experts; checks it divides by ``expert_parallel``."""
+    """The stacked axis that indexes an expert leaf's experts; checked to divide by ``ep``."""
     dim = stack - 1 if value is True else value
     if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < stack:
         raise ValueError(
-            f"{name}: the expert axis must be one of the {stack} stacked axes; got expert={value!r} for {shape=}. "
+            f"{name}: the expert axis must be one of the {stack} stacked axes; "
+            f"got expert={value!r} for {shape=}. "
             "Stack expert leaves with stacked=... (e.g. 1 for [E, m, n], 2 for [L, E, m, n])."
         )
     if shape[dim] % expert_parallel:
         raise ValueError(
-            f"{name}: {shape[dim]} experts (axis {dim} of {shape=}) do not divide by expert_parallel={expert_parallel}."
+            f"{name}: {shape[dim]} experts (axis {dim} of {shape=}) do not divide by "
+            f"expert_parallel={expert_parallel}."
         )
     return dim
 
@@ -316,7 +389,12 @@ def _multiplier(name: str, what: str, value) -> float:
     """A learning-rate or weight-decay multiplier: a finite real number >= 0 (default 1)."""
     if value is None:
         return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{name}: {what} must be a finite number >= 0; got {what}={value!r}.")
     return float(value)
 
@@ -326,7 +404,9 @@ def _group_name(name: str, value) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{name}: grad_norm_group must be a non-empty string or None; got {value!r}.")
+        raise ValueError(
+            f"{name}: grad_norm_group must be a non-empty string or None; got {value!r}."
+        )
     return value
 
 

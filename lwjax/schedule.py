@@ -1,4 +1,4 @@
-"""The order in which a device updates its buckets, and which update hides which bucket's all-gather.
+r"""The order in which a device updates its buckets, and which update hides each all-gather.
 
 After the gradient norm, a step updates every bucket it owns a shard of and
 gathers each updated bucket. The gathers are asynchronous collectives, so they
@@ -22,12 +22,12 @@ their ratios matter:
 
 .. math::
 
-   t_\\text{update} = \\frac{F_\\text{NS}}{R_\\text{mm}} + \\frac{S\\,\\beta}{B_\\text{mem}},
-   \\qquad
-   t_\\text{gather} = \\frac{S\\,(d - 1)\\,b_\\text{param}}{B_\\text{bus}}
+   t_\text{update} = \frac{F_\text{NS}}{R_\text{mm}} + \frac{S\,\beta}{B_\text{mem}},
+   \qquad
+   t_\text{gather} = \frac{S\,(d - 1)\,b_\text{param}}{B_\text{bus}}
 
-with :math:`S` the shard size, :math:`\\beta` the bytes an update moves per
-element, :math:`d` the number of shards and :math:`F_\\text{NS}` the
+with :math:`S` the shard size, :math:`\beta` the bytes an update moves per
+element, :math:`d` the number of shards and :math:`F_\text{NS}` the
 Newton–Schulz FLOPs of the shard's batched matrices (every rank runs the
 same batch width).
 """
@@ -38,8 +38,8 @@ import dataclasses
 
 import numpy as np
 
-from lwjax.buffers import ParamPlan, SlotGroup
-from lwjax.policies import DEFAULT_NUM_NS_STEPS, ns_flops
+from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
+from lwjax.plan import ParamPlan, SlotGroup
 
 MATMUL_FLOPS_PER_S = 600e12
 MEMORY_BYTES_PER_S = 3e12
@@ -77,13 +77,25 @@ class BucketSchedule:
 
     def lands_before(self, t: int) -> list[int]:
         """Positions of the buckets whose gathers must land before update ``t`` starts."""
-        return [j for j, s in enumerate(self.steps) if s.gathered_during is not None and s.gathered_during + 1 == t]
+        return [
+            j
+            for j, s in enumerate(self.steps)
+            if s.gathered_during is not None and s.gathered_during + 1 == t
+        ]
 
     @property
     def exposed_gather_s(self) -> float:
         """Estimated all-gather time no update hides."""
-        return sum(max(0.0, s.gather_s - (self.steps[s.gathered_during].update_s if s.gathered_during is not None
-                                          else 0.0)) for s in self.steps)
+        return sum(
+            max(
+                0.0,
+                s.gather_s
+                - (
+                    self.steps[s.gathered_during].update_s if s.gathered_during is not None else 0.0
+                ),
+            )
+            for s in self.steps
+        )
 
 
 def _group_flops(group: SlotGroup, num_ns_steps: int, transpose: bool, split_qkv: bool) -> int:
@@ -99,15 +111,22 @@ def _group_flops(group: SlotGroup, num_ns_steps: int, transpose: bool, split_qkv
     return ns_flops(shape, num_ns_steps, split)
 
 
-def _estimates(plan: ParamPlan, num_ns_steps: int, transpose: bool, split_qkv: bool) -> list[BucketStep]:
+def _estimates(
+    plan: ParamPlan, num_ns_steps: int, transpose: bool, split_qkv: bool
+) -> list[BucketStep]:
     steps = []
     for i, buffer in enumerate(plan.buffers):
         itemsize = np.dtype(buffer.key.param_dtype).itemsize
         for k, size in enumerate(buffer.shard_sizes):
             if buffer.key.is_layer_wise:
-                flops = sum(g.width * _group_flops(g, num_ns_steps, transpose, split_qkv)
-                            for g in buffer.slot_groups if g.bucket == k)
-                update_s = flops / MATMUL_FLOPS_PER_S + size * MUON_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S
+                flops = sum(
+                    g.width * _group_flops(g, num_ns_steps, transpose, split_qkv)
+                    for g in buffer.slot_groups
+                    if g.bucket == k
+                )
+                update_s = (
+                    flops / MATMUL_FLOPS_PER_S + size * MUON_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S
+                )
             else:
                 update_s = size * ELEMENTWISE_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S
             gather_s = size * (buffer.dp - 1) * itemsize / BUS_BYTES_PER_S
@@ -115,12 +134,17 @@ def _estimates(plan: ParamPlan, num_ns_steps: int, transpose: bool, split_qkv: b
     return steps
 
 
-def schedule_buckets(plan: ParamPlan, *, num_ns_steps: int = DEFAULT_NUM_NS_STEPS, transpose: bool = False,
-                     split_qkv: bool = True) -> BucketSchedule:
+def schedule_buckets(
+    plan: ParamPlan,
+    *,
+    num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
+    transpose: bool = False,
+    split_qkv: bool = True,
+) -> BucketSchedule:
     """Order ``plan``'s bucket updates and pair each all-gather with a later update.
 
     Args:
-      plan: The model's :class:`~lwjax.buffers.ParamPlan`.
+      plan: The model's :class:`~lwjax.plan.ParamPlan`.
       num_ns_steps: Newton–Schulz iterations (for the FLOP estimate).
       transpose: Matrices are stored ``(in, out)``, so a QKV split cuts their
         columns (``matrix_convention="in_out"`` with a QKV split or a
@@ -142,8 +166,12 @@ def schedule_buckets(plan: ParamPlan, *, num_ns_steps: int = DEFAULT_NUM_NS_STEP
         free = [t for t in range(j + 1, len(order)) if t not in claimed]
         if step.gather_s == 0 or not free:
             continue
-        t = next((t for t in free if order[t].update_s >= step.gather_s),
-                 max(free, key=lambda t: order[t].update_s))
+        t = next(
+            (t for t in free if order[t].update_s >= step.gather_s),
+            max(free, key=lambda t: order[t].update_s),
+        )
         during[j] = t
         claimed.add(t)
-    return BucketSchedule(tuple(dataclasses.replace(s, gathered_during=d) for s, d in zip(order, during)))
+    return BucketSchedule(
+        tuple(dataclasses.replace(s, gathered_during=d) for s, d in zip(order, during))
+    )

@@ -13,7 +13,7 @@ from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 
 
 def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=()) -> Callable:
-    """``jax.jit(jax.shard_map(fn, ..., check_vma=False))`` that pairs each donated argument with its own output.
+    """``jax.jit(jax.shard_map(fn, ..., check_vma=False))``, donated arguments paired with outputs.
 
     The jit is given ``out_shardings`` (``out_specs`` on ``mesh``), so JAX
     aliases each donated argument to the output of the same shape and
@@ -41,10 +41,7 @@ def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnu
 
 
 def make_train_step(
-    loss_fn: Callable,
-    optimizer: LayerwiseOptimizer,
-    *,
-    donate: bool = True,
+    loss_fn: Callable, optimizer: LayerwiseOptimizer, *, donate: bool = True
 ) -> Callable:
     """Build ``train_step(params, state, batch) -> (params, state, metrics)``, jitted.
 
@@ -73,20 +70,44 @@ def make_train_step(
     Raises:
       ValueError: (at call time) a batch leaf whose leading axis does not
         divide by the number of data-parallel devices.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh
+      >>> import lwjax
+      >>> params = {"w": jnp.eye(4), "b": jnp.zeros(4)}
+      >>> opt = lwjax.layerwise_muon(params, Mesh(np.array(jax.devices()[:1]), ("dp",)))
+      >>> def loss_fn(params, batch):
+      ...     x, y = batch
+      ...     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+      >>> step = make_train_step(loss_fn, opt)
+      >>> batch = (jnp.ones((8, 4)), jnp.zeros((8, 4)))
+      >>> params, state, metrics = step(params, opt.init(params), batch)
+      >>> int(state.count), bool(metrics["skipped"])
+      (1, False)
     """
     mesh, axes = optimizer.mesh, optimizer.data_axes
     num_data = optimizer.num_data
     param_specs = optimizer.param_specs if optimizer.param_specs is not None else P()
     dp = mesh.shape[optimizer.axis]
-    size_text = f"dp={dp}" if optimizer.expert_axis is None else f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
+    size_text = (
+        f"dp={dp}"
+        if optimizer.expert_axis is None
+        else f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
+    )
 
     def local_step(params, state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         params, state, metrics = optimizer.update(grads, state, params)
         return params, state, {"loss": lax.pmean(loss, axes), **metrics}
 
-    step = jit_shard_map(local_step, mesh, (param_specs, optimizer.state_specs, P(axes)),
-                         (param_specs, optimizer.state_specs, P()), donate_argnums=(0, 1) if donate else ())
+    step = jit_shard_map(
+        local_step,
+        mesh,
+        (param_specs, optimizer.state_specs, P(axes)),
+        (param_specs, optimizer.state_specs, P()),
+        donate_argnums=(0, 1) if donate else (),
+    )
     param_shardings = named_shardings(mesh, param_specs)
 
     def train_step(params, state, batch):

@@ -7,6 +7,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-# Start the backend now: a CLI call inside a test asks for its own --dp devices, which would otherwise
-# set the whole session's count when that test happens to run first.
+# Start the backend now: a CLI call inside a test asks for its own --dp devices, which would
+# otherwise set the whole session's count when that test happens to run first.
 jax.devices()

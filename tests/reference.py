@@ -17,12 +17,21 @@ from lwjax import muon as muon_lib
 
 
 class Reference:
-    """Unsharded state: fp32 leaves, Muon momenta, per-leaf Adam state, over global (logical) shapes."""
+    """Unsharded state: fp32 leaves, Muon momenta, per-leaf Adam state, over global
+    (logical) shapes."""
 
-    def __init__(self, params, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)):
+    def __init__(
+        self, params, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)
+    ):
         leaves, self.treedef = jax.tree_util.tree_flatten(params)
         self.leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
-        self.routes, self.lr, self.weight_decay, self.clip_grad, self.muon = routes, lr, weight_decay, clip_grad, muon_config
+        self.routes, self.lr, self.weight_decay, self.clip_grad, self.muon = (
+            routes,
+            lr,
+            weight_decay,
+            clip_grad,
+            muon_config,
+        )
         self.muon_idx = [i for i, r in enumerate(routes) if r.is_muon]
         self.adam_idx = [i for i, r in enumerate(routes) if not r.is_muon]
         self.momenta = {i: jnp.zeros_like(self.leaves[i]) for i in self.muon_idx}
@@ -33,12 +42,15 @@ class Reference:
         return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
 
     def step(self, grads):
-        """One step from the global mean gradient leaves; returns ``{group: norm}`` and the zero count."""
+        """One step from the global mean gradient leaves; returns ``{group: norm}`` and
+        the zero count."""
         g = [jnp.asarray(x, jnp.float32) for x in grads]
         groups = {}
         for i, r in enumerate(self.routes):
             groups.setdefault(r.grad_norm_group, []).append(i)
-        norms = {name: jnp.sqrt(sum(jnp.sum(g[i] * g[i]) for i in idx)) for name, idx in groups.items()}
+        norms = {
+            name: jnp.sqrt(sum(jnp.sum(g[i] * g[i]) for i in idx)) for name, idx in groups.items()
+        }
         if self.clip_grad:
             for name, idx in groups.items():
                 coef = jnp.minimum(1.0, self.clip_grad / (norms[name] + 1e-6))
@@ -47,8 +59,13 @@ class Reference:
         for i in self.muon_idx:
             r = self.routes[i]
             self.leaves[i], self.momenta[i] = muon_lib.muon_update(
-                self.leaves[i], g[i], self.momenta[i], learning_rate=self.lr * r.lr_mult,
-                weight_decay=self.weight_decay * r.wd_mult, config=self.muon, qkv_split_shapes=r.qkv_split_shapes,
+                self.leaves[i],
+                g[i],
+                self.momenta[i],
+                learning_rate=self.lr * r.lr_mult,
+                weight_decay=self.weight_decay * r.wd_mult,
+                config=self.muon,
+                qkv_split_shapes=r.qkv_split_shapes,
             )
         updates, self.adam_state = self.adam.update([g[i] for i in self.adam_idx], self.adam_state)
         for i, u in zip(self.adam_idx, updates):
@@ -59,7 +76,8 @@ class Reference:
         return {name: float(n) for name, n in norms.items()}, zeros
 
     def logical(self):
-        """``(masters, momenta, mu, nu)`` as parameter-shaped trees, ``None`` where a leaf has no such state."""
+        """``(masters, momenta, mu, nu)`` as parameter-shaped trees, ``None`` where a
+        leaf has no such state."""
         n = len(self.leaves)
         mu, nu = [None] * n, [None] * n
         for k, i in enumerate(self.adam_idx):
@@ -69,22 +87,48 @@ class Reference:
         return tree(self.leaves), tree(momenta), tree(mu), tree(nu)
 
 
-def reference_run(params, grads_per_step, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)):
-    """Apply len(grads_per_step) steps; each entry is a list of per-device grad pytrees (averaged)."""
-    ref = Reference(params, routes, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, muon_config=muon_config,
-                    adam=adam)
+def reference_run(
+    params,
+    grads_per_step,
+    routes,
+    *,
+    lr,
+    weight_decay,
+    clip_grad,
+    muon_config,
+    adam=(0.9, 0.999, 1e-8),
+):
+    """Apply len(grads_per_step) steps; each entry is a list of per-device grad
+    pytrees (averaged)."""
+    ref = Reference(
+        params,
+        routes,
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        muon_config=muon_config,
+        adam=adam,
+    )
     for device_grads in grads_per_step:
         flat = [jax.tree_util.tree_leaves(g) for g in device_grads]
-        ref.step([sum(jnp.asarray(d[i], jnp.float32) for d in flat) / len(flat) for i in range(len(ref.leaves))])
+        ref.step(
+            [
+                sum(jnp.asarray(d[i], jnp.float32) for d in flat) / len(flat)
+                for i in range(len(ref.leaves))
+            ]
+        )
     return ref.params()
 
 
 def reference_train(params, loss_fn, batches, routes, **options):
-    """Train on whole batches with ``jax.grad(loss_fn)``; returns the :class:`Reference` and per-step statistics."""
+    """Train on whole batches with ``jax.grad(loss_fn)``; returns the
+    :class:`Reference` and per-step statistics."""
     ref = Reference(params, routes, **options)
     grad_fn = jax.jit(jax.grad(loss_fn))
     stats = []
     for batch in batches:
-        grads = jax.tree_util.tree_leaves(grad_fn(jax.tree_util.tree_unflatten(ref.treedef, ref.leaves), batch))
+        grads = jax.tree_util.tree_leaves(
+            grad_fn(jax.tree_util.tree_unflatten(ref.treedef, ref.leaves), batch)
+        )
         stats.append(ref.step(grads))
     return ref, stats

@@ -5,9 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lwjax import LayoutConfig, RoutingRules
 from lwjax import buffers as buffers_lib
-from lwjax.buffers import _pieces, _read_rows, make_plan, pack, unpack
-from lwjax.policies import POLICIES
+from lwjax.buffers import _pieces, _read_rows, pack, unpack
+from lwjax.layout import POLICIES
+from lwjax.optimizer import plan_params
+from lwjax.plan import MeshAxes
 
 
 def stacked_params(seed=0):
@@ -24,10 +27,18 @@ def stacked_params(seed=0):
 STACK = {"layers/*": 1}
 
 
-@pytest.mark.parametrize("starts, ops", [([4, 8, 12], {"slice"}), ([12, 8, 4], {"slice", "rev"}),
-                                         ([0, 20, 8], {"gather"}), ([8, 4, 8], {"gather"}), ([8, 8], {"gather"}),
-                                         ([16], {"slice"})],
-                         ids=["forward", "back_to_front", "scattered", "back_and_forth", "repeated", "one"])
+@pytest.mark.parametrize(
+    "starts, ops",
+    [
+        ([4, 8, 12], {"slice"}),
+        ([12, 8, 4], {"slice", "rev"}),
+        ([0, 20, 8], {"gather"}),
+        ([8, 4, 8], {"gather"}),
+        ([8, 8], {"gather"}),
+        ([16], {"slice"}),
+    ],
+    ids=["forward", "back_to_front", "scattered", "back_and_forth", "repeated", "one"],
+)
 def test_read_rows_slices_back_to_back_rows_and_gathers_the_rest(starts, ops):
     array = jnp.arange(40.0)
     rows = _read_rows(array, starts, 4)
@@ -36,22 +47,33 @@ def test_read_rows_slices_back_to_back_rows_and_gathers_the_rest(starts, ops):
     assert {op for op in ("slice", "rev", "gather") if f" {op}[" in jaxpr} == ops
 
 
-@pytest.mark.parametrize("max_concat", [0, buffers_lib.MAX_CONCAT_OPERANDS, 10**6], ids=["dus", "default", "concat"])
+@pytest.mark.parametrize(
+    "max_concat", [0, buffers_lib.MAX_CONCAT_OPERANDS, 10**6], ids=["dus", "default", "concat"]
+)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("dp", [1, 3, 4, 8])
 def test_pack_unpack_round_trip(policy, dp, max_concat, monkeypatch):
     monkeypatch.setattr(buffers_lib, "MAX_CONCAT_OPERANDS", max_concat)
     params = stacked_params()
-    plan = make_plan(params, dp, policy=policy, bucket_size=300, stacked=STACK)
+    plan = plan_params(
+        params,
+        MeshAxes("dp", dp_size=dp),
+        LayoutConfig(policy=policy, bucket_size=300),
+        RoutingRules(stacked=STACK),
+    )
     buffers = pack(plan, params)
     for buckets, buffer in zip(buffers, plan.buffers):
-        assert [b.shape for b in buckets] == [(end - start,) for start, end in buffer.layout.bucket_indices]
+        assert [b.shape for b in buckets] == [
+            (end - start,) for start, end in buffer.layout.bucket_indices
+        ]
     back = unpack(plan, buffers)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Padding is zero: the buffers hold exactly the parameters' elements.
     total = sum(float(jnp.sum(jnp.abs(x))) for x in jax.tree.leaves(params))
-    assert np.isclose(sum(float(jnp.sum(jnp.abs(b))) for bs in buffers for b in bs), total, rtol=1e-6)
+    assert np.isclose(
+        sum(float(jnp.sum(jnp.abs(b))) for bs in buffers for b in bs), total, rtol=1e-6
+    )
     # Bucket arrays are Megatron's buffer, bucket by bucket.
     for buckets, buffer in zip(buffers, plan.buffers):
         whole = np.concatenate([np.asarray(b) for b in buckets])
@@ -59,20 +81,32 @@ def test_pack_unpack_round_trip(policy, dp, max_concat, monkeypatch):
             for i, name in enumerate(route.param_names()):
                 if name in buffer.layout.param_index_map:
                     start, end, _ = buffer.layout.param_index_map[name]
-                    np.testing.assert_array_equal(whole[start:end], np.asarray(leaf).reshape(-1)[i * (end - start):(i + 1) * (end - start)])
+                    np.testing.assert_array_equal(
+                        whole[start:end],
+                        np.asarray(leaf).reshape(-1)[i * (end - start) : (i + 1) * (end - start)],
+                    )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("dp", [2, 4])
 def test_rank_blocks_hold_exactly_the_owned_matrices(policy, dp):
     params = stacked_params()
-    plan = make_plan(params, dp, policy=policy, bucket_size=300, stacked=STACK)
+    plan = plan_params(
+        params,
+        MeshAxes("dp", dp_size=dp),
+        LayoutConfig(policy=policy, bucket_size=300),
+        RoutingRules(stacked=STACK),
+    )
     (buffer,) = [b for b in plan.buffers if b.key.is_layer_wise]
     buckets = [np.asarray(b) for b in pack(plan, params)[plan.buffers.index(buffer)]]
     by_name = {}
     for route, leaf in zip(plan.routes, jax.tree.leaves(params)):
         for i, name in enumerate(route.param_names()):
-            by_name[name] = np.asarray(leaf).reshape(-1, *route.param_shape)[i] if route.stack_dims else np.asarray(leaf)
+            by_name[name] = (
+                np.asarray(leaf).reshape(-1, *route.param_shape)[i]
+                if route.stack_dims
+                else np.asarray(leaf)
+            )
     seen = []
     assert buffer.num_buckets > 1
     for group in buffer.slot_groups:
@@ -83,7 +117,9 @@ def test_rank_blocks_hold_exactly_the_owned_matrices(policy, dp):
             for offset, name in zip(group.offsets[rank], group.names[rank]):
                 assert buffer.layout.shard_of(name) == rank
                 assert buffer.layout.param_index_map[name][2] == group.bucket
-                np.testing.assert_array_equal(shard[offset : offset + m * n].reshape(m, n), by_name[name])
+                np.testing.assert_array_equal(
+                    shard[offset : offset + m * n].reshape(m, n), by_name[name]
+                )
                 seen.append(name)
             spare = group.offsets[rank][len(group.names[rank]) :]
             assert all(o == size for o in spare)
@@ -92,12 +128,24 @@ def test_rank_blocks_hold_exactly_the_owned_matrices(policy, dp):
 
 def test_pack_writes_a_bucket_of_few_pieces_in_one_concatenate(monkeypatch):
     params = stacked_params()
-    plan = make_plan(params, 4, bucket_size=300, stacked=STACK)
-    pieces = [_pieces(sorted((s for s in b.segments if s.bucket == k), key=lambda s: s.offset), b.dp * size)
-              for b in plan.buffers for k, size in enumerate(b.shard_sizes)]
+    plan = plan_params(
+        params,
+        MeshAxes("dp", dp_size=4),
+        LayoutConfig(bucket_size=300),
+        RoutingRules(stacked=STACK),
+    )
+    pieces = [
+        _pieces(
+            sorted((s for s in b.segments if s.bucket == k), key=lambda s: s.offset), b.dp * size
+        )
+        for b in plan.buffers
+        for k, size in enumerate(b.shard_sizes)
+    ]
     counts = [len(p) for p in pieces]
     # Back-to-back rows of one stacked leaf are one piece: fewer runs than segments.
-    assert sum(not isinstance(x, int) for p in pieces for x in p) < sum(len(b.segments) for b in plan.buffers)
+    assert sum(not isinstance(x, int) for p in pieces for x in p) < sum(
+        len(b.segments) for b in plan.buffers
+    )
     for limit in (0, max(counts)):
         monkeypatch.setattr(buffers_lib, "MAX_CONCAT_OPERANDS", limit)
         jaxpr = str(jax.make_jaxpr(lambda p: pack(plan, p))(params))
@@ -107,18 +155,30 @@ def test_pack_writes_a_bucket_of_few_pieces_in_one_concatenate(monkeypatch):
 
 def test_pack_casts_and_is_jittable():
     params = stacked_params()
-    plan = make_plan(params, 4, stacked=STACK)
+    plan = plan_params(
+        params,
+        MeshAxes("dp", dp_size=4),
+        LayoutConfig(bucket_size=None),
+        RoutingRules(stacked=STACK),
+    )
     packed = jax.jit(lambda p: pack(plan, p, dtypes=["bfloat16"] * len(plan.buffers)))(params)
     assert all(b.dtype == jnp.bfloat16 for bs in packed for b in bs)
     back = jax.jit(lambda b: unpack(plan, b))(packed)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         assert a.dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16).astype(jnp.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(a), np.asarray(b.astype(jnp.bfloat16).astype(jnp.float32))
+        )
 
 
 def test_pack_rejects_mismatched_trees():
     params = stacked_params()
-    plan = make_plan(params, 2, stacked=STACK)
+    plan = plan_params(
+        params,
+        MeshAxes("dp", dp_size=2),
+        LayoutConfig(bucket_size=None),
+        RoutingRules(stacked=STACK),
+    )
     with pytest.raises(ValueError, match="pack: the tree does not match"):
         pack(plan, {"embed": params["embed"]})
     with pytest.raises(ValueError, match=r"pack: lonely: expected shape \(5, 7\); got \(7, 5\)"):
@@ -128,16 +188,33 @@ def test_pack_rejects_mismatched_trees():
 
 
 def test_make_plan_lays_out_local_experts_over_expert_dp():
-    params = {"dense": jnp.zeros((8, 8)), "experts": {"up": jnp.zeros((8, 8, 16)), "b": jnp.zeros((8, 16))}}
-    plan = make_plan(params, 8, expert_dp=2, expert_parallel=4, expert=["experts/*"], lr_mult={"experts/up": 0.5})
+    params = {
+        "dense": jnp.zeros((8, 8)),
+        "experts": {"up": jnp.zeros((8, 8, 16)), "b": jnp.zeros((8, 16))},
+    }
+    plan = plan_params(
+        params,
+        MeshAxes("dp", "ep", dp_size=2, ep_size=4),
+        LayoutConfig(bucket_size=None),
+        RoutingRules(expert=["experts/*"], lr_mult={"experts/up": 0.5}),
+    )
     by_key = {(b.key.is_expert_parallel, b.key.is_layer_wise): b for b in plan.buffers}
-    assert by_key[(True, True)].dp == by_key[(True, False)].dp == 2 and by_key[(False, True)].dp == 8
+    assert (
+        by_key[(True, True)].dp == by_key[(True, False)].dp == 2 and by_key[(False, True)].dp == 8
+    )
     assert sorted(by_key[(True, True)].layout.param_index_map) == ["experts/up[0]", "experts/up[1]"]
     assert {(g.lr_mult, g.wd_mult) for g in by_key[(True, True)].slot_groups} == {(0.5, 1.0)}
     rng = np.random.default_rng(0)
-    local = {"dense": params["dense"] + 1,
-             "experts": {"up": jnp.asarray(rng.standard_normal((2, 8, 16))), "b": jnp.asarray(rng.standard_normal((2, 16)))}}
+    local = {
+        "dense": params["dense"] + 1,
+        "experts": {
+            "up": jnp.asarray(rng.standard_normal((2, 8, 16))),
+            "b": jnp.asarray(rng.standard_normal((2, 16))),
+        },
+    }
     for a, b in zip(jax.tree.leaves(unpack(plan, pack(plan, local))), jax.tree.leaves(local)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match=r"pack: experts/b: expected shape \(2, 16\); got \(8, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"pack: experts/b: expected shape \(2, 16\); got \(8, 16\)"
+    ):
         pack(plan, params)

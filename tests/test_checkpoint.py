@@ -1,4 +1,5 @@
-"""lwjax checkpoints: restore at any dp size and policy, atomic saves, and clear errors on bad input."""
+"""lwjax checkpoints: restore at any dp size and policy, atomic saves, and clear
+errors on bad input."""
 
 import json
 import os
@@ -15,9 +16,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax import checkpoint
+from lwjax import LayoutConfig, RoutingRules, checkpoint
+from lwjax.logical import from_logical, to_logical
 from lwjax.muon import MuonConfig
-from lwjax.optimizer import OptimizerConfig, from_logical, layerwise_muon, to_logical
+from lwjax.optimizer import OptimizerConfig, layerwise_muon
 from lwjax.train import make_train_step
 
 MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest")
@@ -36,15 +38,24 @@ def _loss(params, batch):
 
 def _setup(dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
-    params = {"w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, dtype), "b1": jnp.zeros(32, dtype),
-              "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, dtype)}
+    params = {
+        "w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, dtype),
+        "b1": jnp.zeros(32, dtype),
+        "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, dtype),
+    }
     x = rng.standard_normal((64, 8)).astype(np.float32)
     return params, (x, np.sin(x[:, :4]).astype(np.float32))
 
 
 def _optimizer(params, dp, policy):
-    return layerwise_muon(params, mesh_of(dp), learning_rate=0.05, muon=MUON, config=CONFIG, policy=policy,
-                          bucket_size=300)
+    return layerwise_muon(
+        params,
+        mesh_of(dp),
+        learning_rate=0.05,
+        muon=MUON,
+        config=CONFIG,
+        layout=LayoutConfig(policy=policy, bucket_size=300),
+    )
 
 
 _STEPS = {}
@@ -87,13 +98,17 @@ def test_restore_reshards_bit_identical_and_training_continues(tmp_path, src, ds
     assert all(x.sharding.mesh == b.mesh for x in jax.tree.leaves((p_b, s_b)))
     # Continued training equals an uninterrupted run on b (bitwise) and on a (to rounding).
     resumed = _train(b, p_b, s_b, batch, 2)
-    direct = _train(b, jax.device_put(p, NamedSharding(b.mesh, P())), from_logical(b, saved), batch, 2)
+    direct = _train(
+        b, jax.device_put(p, NamedSharding(b.mesh, P())), from_logical(b, saved), batch, 2
+    )
     _assert_trees_equal(resumed, direct)
     straight = _train(a, p, s, batch, 2)
     # Across dp sizes only the reduction order differs: fp32 rounding, or bf16 gradients' rounding.
     rtol, atol = (3e-2, 3e-3) if dtype == jnp.bfloat16 else (1e-5, 1e-6)
     for x, y in zip(jax.tree.leaves(resumed[0]), jax.tree.leaves(straight[0])):
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(
+            np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol
+        )
 
 
 def test_resume_at_same_dp_is_bitwise_identical_and_async_save_completes(tmp_path):
@@ -130,8 +145,13 @@ _INTERRUPTED = textwrap.dedent("""
 
 def test_interrupted_save_never_restores_as_complete(tmp_path):
     path = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED, str(path)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert "save returned" not in proc.stdout
     assert not path.exists()
@@ -156,18 +176,28 @@ def _saved(tmp_path, dtype=jnp.float32):
 def test_restore_lists_every_mismatch_with_the_target(tmp_path):
     path, params = _saved(tmp_path)
     rng = np.random.default_rng(1)
-    other = {"w1": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32),  # shape differs
-             "w2": params["w2"].astype(jnp.bfloat16),  # dtype differs
-             "w3": jnp.zeros((4, 4))}  # not in the checkpoint; b1 is missing from the target
+    other = {
+        "w1": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32),  # shape differs
+        "w2": params["w2"].astype(jnp.bfloat16),  # dtype differs
+        "w3": jnp.zeros((4, 4)),
+    }  # not in the checkpoint; b1 is missing from the target
     with pytest.raises(ValueError) as err:
         checkpoint.restore(path, _optimizer(other, 2, "lpt"))
     message = str(err.value)
-    for expected in ("missing: params/w3", "unexpected: params/b1", "missing: state/momenta/w3",
-                     "shape: params/w1: checkpoint (8, 32), target (8, 16)",
-                     "dtype: params/w2: checkpoint float32, target bfloat16"):
+    for expected in (
+        "missing: params/w3",
+        "unexpected: params/b1",
+        "missing: state/momenta/w3",
+        "shape: params/w1: checkpoint (8, 32), target (8, 16)",
+        "dtype: params/w2: checkpoint float32, target bfloat16",
+    ):
         assert expected in message, message
-    adam_only = layerwise_muon(params, mesh_of(2), tied=["w1"])  # a tied leaf is never a Muon matrix
-    with pytest.raises(ValueError, match="routing: w1 is Muon in the checkpoint but elementwise in the target"):
+    adam_only = layerwise_muon(
+        params, mesh_of(2), routing=RoutingRules(tied=["w1"])
+    )  # a tied leaf is never a Muon matrix
+    with pytest.raises(
+        ValueError, match="routing: w1 is Muon in the checkpoint but elementwise in the target"
+    ):
         checkpoint.restore(path, adam_only)
 
 
@@ -188,7 +218,9 @@ def test_damaged_checkpoint_raises_and_restores_nothing(tmp_path, damage):
             if f.is_file():
                 f.unlink()
     else:
-        for data in _data_files(path):  # every tensorstore data file; the arrays live in some of them
+        for data in _data_files(
+            path
+        ):  # every tensorstore data file; the arrays live in some of them
             raw = bytearray(data.read_bytes())
             if damage == "truncate":
                 data.write_bytes(bytes(raw[: len(raw) // 2]))
@@ -196,8 +228,12 @@ def test_damaged_checkpoint_raises_and_restores_nothing(tmp_path, damage):
                 for i in range(len(raw) // 2, min(len(raw), len(raw) // 2 + 8)):
                     raw[i] ^= 0x5A
                 data.write_bytes(bytes(raw))
-    expected = {"truncate": "unreadable", "flip": "unreadable", "record": "unreadable checkpoint record",
-                "swapped_data": r"corrupted checkpoint: the data of \d+ array\(s\) does not match"}[damage]
+    expected = {
+        "truncate": "unreadable",
+        "flip": "unreadable",
+        "record": "unreadable checkpoint record",
+        "swapped_data": r"corrupted checkpoint: the data of \d+ array\(s\) does not match",
+    }[damage]
     with pytest.raises(ValueError, match=expected):
         checkpoint.restore(path, _optimizer(params, 2, "lpt"))
 
@@ -218,11 +254,18 @@ def test_uncommitted_or_foreign_directories_are_refused(tmp_path):
 
 def test_fingerprints_agree_between_numpy_and_sharded_jax():
     rng = np.random.default_rng(0)
-    arrays = {"f32": rng.standard_normal((8, 6)).astype(np.float32), "i32": np.arange(5, dtype=np.int32),
-              "scalar": np.asarray(3, np.int32)}
+    arrays = {
+        "f32": rng.standard_normal((8, 6)).astype(np.float32),
+        "i32": np.arange(5, dtype=np.int32),
+        "scalar": np.asarray(3, np.int32),
+    }
     arrays["bf16"] = arrays["f32"].astype(jnp.bfloat16)
-    sharded = {k: jax.device_put(v, NamedSharding(mesh_of(2), P("dp") if v.ndim and v.shape[0] % 2 == 0 else P()))
-               for k, v in arrays.items()}
+    sharded = {
+        k: jax.device_put(
+            v, NamedSharding(mesh_of(2), P("dp") if v.ndim and v.shape[0] % 2 == 0 else P())
+        )
+        for k, v in arrays.items()
+    }
     assert checkpoint.fingerprints(arrays) == checkpoint.fingerprints(sharded)
     flipped = dict(arrays, f32=arrays["f32"].copy())
     flipped["f32"][3, 2] = np.nextafter(flipped["f32"][3, 2], np.inf)

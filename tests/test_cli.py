@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
-import lwjax.bench
-import lwjax.layout_report
-import lwjax.presets
-from lwjax.cli import main
-from lwjax.layout_report import full_layout_to_json, summarize_layout
-from lwjax.policies import POLICIES, compute_full_param_layout
-from lwjax.presets import PRESETS, preset_specs
+import lwjax.tools.bench
+import lwjax.tools.layout_report
+import lwjax.tools.presets
+from lwjax import LayoutConfig
+from lwjax.layout import POLICIES
+from lwjax.policies import compute_full_param_layout
+from lwjax.tools.cli import main
+from lwjax.tools.layout_report import full_layout_to_json, summarize_layout
+from lwjax.tools.presets import PRESETS, preset_specs
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "layouts"
 POLICY_OF_VERSION = {"v1": "size_matching", "v2": "lpt", "v4": "ns_cost"}
@@ -53,12 +55,19 @@ def test_layout_json_reproduces_fixture(case, tmp_path, capsys):
 
 
 def test_layout_json_accepts_megatron_flag_aliases_and_case_objects(tmp_path, capsys):
-    case = next(c for c in PER_BUFFER_CASES if c["bucket_size"] and c["pad_buckets_for_high_nccl_busbw"])
+    case = next(
+        c for c in PER_BUFFER_CASES if c["bucket_size"] and c["pad_buckets_for_high_nccl_busbw"]
+    )
     spec = tmp_path / "case.json"
     spec.write_text(json.dumps(case))  # a whole fixture case: its "params" are read
     flags = [
-        "--policy", POLICY_OF_VERSION[case["version"]], "--dp", str(case["dp"]),
-        "--ddp-bucket-size", str(case["bucket_size"]), "--ddp-pad-buckets-for-high-nccl-busbw",
+        "--policy",
+        POLICY_OF_VERSION[case["version"]],
+        "--dp",
+        str(case["dp"]),
+        "--ddp-bucket-size",
+        str(case["bucket_size"]),
+        "--ddp-pad-buckets-for-high-nccl-busbw",
     ]
     code, out, _ = _run(capsys, "layout", "--spec", str(spec), *flags, "--json")
     assert code == 0 and json.loads(out) == case["expected"]
@@ -84,7 +93,9 @@ def test_layout_full_json_reproduces_full_layout_fixture(case, tmp_path, capsys)
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_layout_compare_lists_every_policy(preset, capsys):
-    code, out, err = _run(capsys, "layout", "--preset", preset, "--dp", "8", "--layers", "2", "--compare")
+    code, out, err = _run(
+        capsys, "layout", "--preset", preset, "--dp", "8", "--layers", "2", "--compare"
+    )
     assert (code, err) == (0, "")
     for policy in POLICIES:
         assert policy in out
@@ -94,8 +105,18 @@ def test_layout_compare_lists_every_policy(preset, capsys):
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_layout_compare_json_on_full_presets(preset, capsys):
-    code, out, _ = _run(capsys, "layout", "--preset", preset, "--dp", "8", "--bucket-size", "40000000",
-                        "--compare", "--json")
+    code, out, _ = _run(
+        capsys,
+        "layout",
+        "--preset",
+        preset,
+        "--dp",
+        "8",
+        "--bucket-size",
+        "40000000",
+        "--compare",
+        "--json",
+    )
     rows = json.loads(out)
     assert code == 0 and [r["policy"] for r in rows] == list(POLICIES)
     total = sum(s.numel for s in preset_specs(preset))
@@ -105,7 +126,9 @@ def test_layout_compare_json_on_full_presets(preset, capsys):
 
 
 def test_layout_table_shows_buffers_shards_and_summary(capsys):
-    code, out, err = _run(capsys, "layout", "--preset", "moe", "--layers", "2", "--dp", "4", "--expert-dp", "2")
+    code, out, err = _run(
+        capsys, "layout", "--preset", "moe", "--layers", "2", "--dp", "4", "--expert-dp", "2"
+    )
     assert (code, err) == (0, "")
     assert "expert · layer-wise (Muon) · 2 shards" in out
     assert "dense · elementwise (distributed optimizer) · 4 shards" in out
@@ -114,11 +137,24 @@ def test_layout_table_shows_buffers_shards_and_summary(capsys):
 
 
 def test_layout_preset_json_is_the_full_layout(capsys):
-    code, out, _ = _run(capsys, "layout", "--preset", "tied", "--layers", "1", "--dp", "2", "--policy", "lpt",
-                        "--json")
+    code, out, _ = _run(
+        capsys,
+        "layout",
+        "--preset",
+        "tied",
+        "--layers",
+        "1",
+        "--dp",
+        "2",
+        "--policy",
+        "lpt",
+        "--json",
+    )
     specs = preset_specs("tied", layers=1)
     assert code == 0
-    assert json.loads(out) == full_layout_to_json(compute_full_param_layout(specs, 2, policy="lpt"))
+    assert json.loads(out) == full_layout_to_json(
+        compute_full_param_layout(specs, 2, LayoutConfig(policy="lpt"))
+    )
 
 
 def test_layout_list_of_shapes_spec(tmp_path, capsys):
@@ -144,12 +180,18 @@ USER_ERRORS = {
         "layout --preset llama8b --dp 0",
         "lwjax layout: compute_full_param_layout: dp must be a positive integer; got dp=0.",
     ),
-    "unknown_preset": ("layout --preset gpt5 --dp 8", "lwjax layout: argument --preset: invalid choice: 'gpt5'"),
+    "unknown_preset": (
+        "layout --preset gpt5 --dp 8",
+        "lwjax layout: argument --preset: invalid choice: 'gpt5'",
+    ),
     "unknown_policy": (
         "layout --preset tied --dp 2 --policy best",
         "lwjax layout: argument --policy: invalid choice: 'best'",
     ),
-    "dp_not_int": ("layout --preset tied --dp two", "lwjax layout: argument --dp: invalid int value: 'two'"),
+    "dp_not_int": (
+        "layout --preset tied --dp two",
+        "lwjax layout: argument --dp: invalid int value: 'two'",
+    ),
     "no_model": ("layout --dp 2", "lwjax layout: one of the arguments --preset --spec is required"),
     "layers_zero": (
         "layout --preset tied --dp 2 --layers 0",
@@ -157,7 +199,7 @@ USER_ERRORS = {
     ),
     "bucket_zero": (
         "layout --preset tied --dp 2 --bucket-size 0",
-        "lwjax layout: compute_full_param_layout: bucket_size must be None or a positive integer",
+        "lwjax layout: LayoutConfig.bucket_size must be 'auto', None or a positive integer",
     ),
     "ns_steps_zero": (
         "layout --preset tied --dp 2 --ns-steps 0",
@@ -184,7 +226,10 @@ def test_user_errors_exit_2_with_one_line(command, message, capsys):
     "content, message",
     [
         ("{not json", "is not valid JSON"),
-        (json.dumps([[4, 4], [0]]), "params[1]: shape must be a list of positive integers; got [0]."),
+        (
+            json.dumps([[4, 4], [0]]),
+            "params[1]: shape must be a list of positive integers; got [0].",
+        ),
         (
             json.dumps([{"name": "a", "shape": [4]}, {"name": "a", "shape": [4]}]),
             "params[1] (a): duplicate parameter name",
@@ -216,10 +261,13 @@ def test_cli_and_layout_report_import_no_jax():
     """The layout command runs with jax unimportable."""
     code = (
         "import sys; sys.modules['jax'] = None\n"
-        "import lwjax.presets, lwjax.layout_report, lwjax.cli\n"
-        "sys.exit(lwjax.cli.main(['layout', '--preset', 'tied', '--layers', '1', '--dp', '2', '--compare']))\n"
+        "import lwjax.tools.presets, lwjax.tools.layout_report, lwjax.tools.cli\n"
+        "sys.exit(lwjax.tools.cli.main(['layout', '--preset', 'tied', '--layers', '1', "
+        "'--dp', '2', '--compare']))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "size_matching" in result.stdout
 
@@ -228,13 +276,22 @@ def test_console_script_runs():
     script = pathlib.Path(sys.executable).parent / "lwjax"
     if not script.exists():
         pytest.skip("lwjax console script not installed in this environment")
-    result = subprocess.run([str(script), "layout", "--preset", "tied", "--dp", "0"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [str(script), "layout", "--preset", "tied", "--dp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
-    assert result.stderr == "lwjax layout: compute_full_param_layout: dp must be a positive integer; got dp=0.\n"
+    assert (
+        result.stderr
+        == "lwjax layout: compute_full_param_layout: dp must be a positive integer; got dp=0.\n"
+    )
 
 
-@pytest.mark.parametrize("module", [lwjax.presets, lwjax.layout_report], ids=["presets", "layout_report"])
+@pytest.mark.parametrize(
+    "module", [lwjax.tools.presets, lwjax.tools.layout_report], ids=["presets", "layout_report"]
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -244,11 +301,18 @@ class _Config(Exception):
     """Raised by a stand-in for ``run_bench`` / ``run_train_bench`` with the config it was given."""
 
 
-@pytest.mark.parametrize("argv, warmup", [((), "default"), (("--warmup", "3"), 3)], ids=["default", "given"])
-@pytest.mark.parametrize("runner", ["lwjax.bench.run_bench", "lwjax.train_bench.run_train_bench"],
-                         ids=["optimizer_step", "train_step"])
+@pytest.mark.parametrize(
+    "argv, warmup", [((), "default"), (("--warmup", "3"), 3)], ids=["default", "given"]
+)
+@pytest.mark.parametrize(
+    "runner",
+    ["lwjax.tools.bench.run_bench", "lwjax.tools.train_bench.run_train_bench"],
+    ids=["optimizer_step", "train_step"],
+)
 def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, argv, warmup):
-    """Without --warmup both benches warm up ``WARMUP_STEPS`` calls (a pipelined step's first calls run slow)."""
+    """Without --warmup both benches warm up ``WARMUP_STEPS`` calls (a pipelined
+    step's first calls run slow)."""
+
     def capture(config):
         raise _Config(config)
 
@@ -256,26 +320,53 @@ def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, arg
     train = ("--train-step",) if "train" in runner else ()
     with pytest.raises(_Config) as raised:
         main(["bench", "--workload", "small", "--dp", "2", *train, *argv])
-    want = lwjax.bench.WARMUP_STEPS if warmup == "default" else warmup
+    want = lwjax.tools.bench.WARMUP_STEPS if warmup == "default" else warmup
     assert raised.value.args[0].warmup == want
-    assert lwjax.bench.WARMUP_STEPS >= 6  # the compiling call and the 4 slow ones measured after it
+    assert (
+        lwjax.tools.bench.WARMUP_STEPS >= 6
+    )  # the compiling call and the 4 slow ones measured after it
 
 
 def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
-    """The random gradients' global norm is what --grad-std sets (std * sqrt(N / dp) for the mean), and it is reported."""
-    code = main(["bench", "--workload", "small", "--layers", "1", "--dp", "2", "--iters", "1", "--warmup", "1",
-                 "--no-baselines", "--grad-std", "2e-5", "--pipeline-muon", "--json"])
+    """The random gradients' global norm is what --grad-std sets (std * sqrt(N / dp)
+    for the mean), and it is reported."""
+    code = main(
+        [
+            "bench",
+            "--workload",
+            "small",
+            "--layers",
+            "1",
+            "--dp",
+            "2",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--no-baselines",
+            "--grad-std",
+            "2e-5",
+            "--pipeline-muon",
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
     (record,) = json.loads(out)
     assert record["contender"] == "lwjax" and record["pipeline_muon"] and record["step_ms"] > 0
     assert (record["iters"], record["warmup"]) == (1, 1)
-    assert min(record["back_to_back_ms"], record["rs_back_to_back_ms"], record["ag_back_to_back_ms"]) > 0
+    assert (
+        min(record["back_to_back_ms"], record["rs_back_to_back_ms"], record["ag_back_to_back_ms"])
+        > 0
+    )
     assert record["floor_sum_back_to_back_ms"] == pytest.approx(
-        record["rs_back_to_back_ms"] + record["ag_back_to_back_ms"] + record["ns_ms"])
+        record["rs_back_to_back_ms"] + record["ag_back_to_back_ms"] + record["ns_ms"]
+    )
     assert record["grad_norm"] == pytest.approx(2e-5 * (record["params"] / 2) ** 0.5, rel=0.02)
     assert main(["bench", "--grad-std", "0"]) == 2
-    assert capsys.readouterr().err.startswith("lwjax bench: BenchConfig.grad_std must be positive; got 0.0.")
+    assert capsys.readouterr().err.startswith(
+        "lwjax bench: BenchConfig.grad_std must be positive; got 0.0."
+    )
 
 
 def test_bench_builds_the_pipelined_optimizer_it_reports():
@@ -284,28 +375,47 @@ def test_bench_builds_the_pipelined_optimizer_it_reports():
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from lwjax import bench
+    from lwjax.tools import bench
 
-    shapes, split = bench.workload_shapes("small", 1)
+    config = bench.workload_config("small", 1)
+    shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
     params = bench._params(shapes, mesh, jax.numpy.float32)
     grads = bench._local_grads(shapes, mesh, jax.numpy.float32, 2e-5)
     for pipelined in (False, True):
-        opt = bench.workload_optimizer(params, mesh, split, ns_precision="highest", grad_reduce_in_fp32=True,
-                                       policy="ns_cost", bucket_size="auto", pipeline_muon=pipelined)
-        metrics = jax.eval_shape(jax.shard_map(lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[2],
-                                               mesh=mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=P(),
-                                               check_vma=False), params, opt.init(params), grads)
+        opt = bench.workload_optimizer(
+            params,
+            mesh,
+            config,
+            ns_precision="highest",
+            grad_reduce_in_fp32=True,
+            policy="ns_cost",
+            bucket_size="auto",
+            pipeline_muon=pipelined,
+        )
+        metrics = jax.eval_shape(
+            jax.shard_map(
+                lambda p, s, g, opt=opt: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[2],
+                mesh=mesh,
+                in_specs=(P(), opt.state_specs, P("dp")),
+                out_specs=P(),
+                check_vma=False,
+            ),
+            params,
+            opt.init(params),
+            grads,
+        )
         assert ("recomputed" in metrics) == pipelined  # the speculation's own metric
 
 
 def test_bench_time_back_to_back_runs_the_steps_back_to_back_and_divides_by_their_number():
-    """Each of the ``iters`` calls gets the previous call's outputs; the time is per step, not per window."""
+    """Each of the ``iters`` calls gets the previous call's outputs; the time is per
+    step, not per window."""
     import time
 
     import jax
 
-    from lwjax import bench
+    from lwjax.tools import bench
 
     calls = []
 
@@ -320,20 +430,29 @@ def test_bench_time_back_to_back_runs_the_steps_back_to_back_and_divides_by_thei
 
 
 def test_bench_floor_matmul_rate_is_one_products_rate():
-    """The floor times a chain of products per call; its rate is per product, as one timed product's is."""
+    """The floor times a chain of products per call; its rate is per product, as one
+    timed product's is."""
     import time
 
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
-    from lwjax import bench
+    from lwjax.tools import bench
 
-    shapes, split = bench.workload_shapes("small", 1)
+    config = bench.workload_config("small", 1)
+    shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
     params = bench._params(shapes, mesh, jax.numpy.float32)
-    opt = bench.workload_optimizer(params, mesh, split, ns_precision="medium", grad_reduce_in_fp32=True,
-                                   policy="ns_cost", bucket_size="auto")
+    opt = bench.workload_optimizer(
+        params,
+        mesh,
+        config,
+        ns_precision="medium",
+        grad_reduce_in_fp32=True,
+        policy="ns_cost",
+        bucket_size="auto",
+    )
     floor = bench._floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
     # Off CUDA Newton-Schulz runs full products: the FLOPs it computes are Megatron's.
     assert bench.symmetric_share(mesh.devices.flat[0], "medium") is None
@@ -352,27 +471,55 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
 
 
 @pytest.mark.parametrize("precision, counted", [("medium", True), ("highest", False)])
-def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(monkeypatch, capsys, precision, counted):
-    """With the CUDA branch taken (patched in) the computed floor counts the kernel's share, and the table shows it."""
+def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
+    monkeypatch, capsys, precision, counted
+):
+    """With the CUDA branch taken (patched in) the computed floor counts the kernel's
+    share, and the table shows it."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
-    from lwjax import bench, gram
+    from lwjax import gram
+    from lwjax.tools import bench
 
     monkeypatch.setattr(gram, "MIN_SIZE", 256)  # the small workload's 256-row matrices
     monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
-    shapes, split = bench.workload_shapes("small", 1)
+    config = bench.workload_config("small", 1)
+    shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
     params = bench._params(shapes, mesh, jax.numpy.float32)
-    opt = bench.workload_optimizer(params, mesh, split, ns_precision=precision, grad_reduce_in_fp32=True,
-                                   policy="ns_cost", bucket_size="auto")
-    assert (bench.symmetric_share(mesh.devices.flat[0], precision) is gram.computed_share) is counted
+    opt = bench.workload_optimizer(
+        params,
+        mesh,
+        config,
+        ns_precision=precision,
+        grad_reduce_in_fp32=True,
+        policy="ns_cost",
+        bucket_size="auto",
+    )
+    assert (
+        bench.symmetric_share(mesh.devices.flat[0], precision) is gram.computed_share
+    ) is counted
     floor = bench._floor(bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh)
     assert (floor["ns_gflop_computed_max_rank"] < floor["ns_gflop_max_rank"]) is counted
-    assert floor["floor_sum_computed_ms"] == pytest.approx(floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"])
-    record = dict(workload="small", layers=1, params=1, device="cpu", jax="x", grad_norm=1.0, contender="lwjax", dp=2,
-                  step_ms=10.0, back_to_back_ms=9.0, state_bytes_per_device=1, **floor)
-    monkeypatch.setattr("lwjax.bench.run_bench", lambda config: [record])
+    assert floor["floor_sum_computed_ms"] == pytest.approx(
+        floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"]
+    )
+    record = dict(
+        workload="small",
+        layers=1,
+        params=1,
+        device="cpu",
+        jax="x",
+        grad_norm=1.0,
+        contender="lwjax",
+        dp=2,
+        step_ms=10.0,
+        back_to_back_ms=9.0,
+        state_bytes_per_device=1,
+        **floor,
+    )
+    monkeypatch.setattr("lwjax.tools.bench.run_bench", lambda config: [record])
     assert main(["bench", "--workload", "small", "--dp", "2"]) == 0
     assert ("FLOPs lwjax computes" in capsys.readouterr().out) is counted

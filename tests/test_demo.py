@@ -1,4 +1,4 @@
-"""lwjax.demo: the GPT, the stdlib byte corpus, run_demo and the ``lwjax demo`` command."""
+"""lwjax.tools.demo: the GPT, the stdlib byte corpus, run_demo and the ``lwjax demo`` command."""
 
 import dataclasses
 import json
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lwjax.cli import main
-from lwjax.demo import data
-from lwjax.demo.model import GPT, MODEL_SIZES, GPTConfig, lwjax_routing
-from lwjax.demo.run import BASELINES, DemoConfig, run_demo
+import lwjax
+from lwjax.tools.cli import main
+from lwjax.tools.demo import data
+from lwjax.tools.demo.model import GPT, MODEL_SIZES, GPTConfig, lwjax_routing
+from lwjax.tools.demo.run import BASELINES, DemoConfig, run_demo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = dict(model_size="tiny", batch_size=8, seq_len=32, eval_windows=16, progress=False)
@@ -21,8 +22,17 @@ TINY = dict(model_size="tiny", batch_size=8, seq_len=32, eval_windows=16, progre
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "separate-qkv"])
 def test_gpt_is_causal(fused):
-    model = GPT(GPTConfig(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, fused_qkv=fused,
-                          tied_embedding=True), rngs=nnx.Rngs(0))
+    model = GPT(
+        GPTConfig(
+            num_layers=1,
+            d_model=32,
+            num_heads=4,
+            num_kv_heads=2,
+            fused_qkv=fused,
+            tied_embedding=True,
+        ),
+        rngs=nnx.Rngs(0),
+    )
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
     tokens = np.random.default_rng(0).integers(0, 256, (2, 12)).astype(np.int32)
@@ -40,7 +50,7 @@ def test_gpt_config_checks_shapes():
     with pytest.raises(ValueError, match="heads of even width"):
         GPTConfig(d_model=36, num_heads=4)
     assert MODEL_SIZES["small"].qkv_split == (64, 32, 32)  # 4 heads of 32 in 2 groups
-    assert lwjax_routing(GPTConfig(fused_qkv=False)) == {}
+    assert lwjax_routing(GPTConfig(fused_qkv=False)) == lwjax.RoutingRules()
 
 
 def test_stdlib_corpus_splits_by_file_and_is_reproducible():
@@ -56,7 +66,10 @@ def test_stdlib_corpus_splits_by_file_and_is_reproducible():
     assert len(capped.train) + len(capped.val) == 300_000
     # Python source: far from uniform (log 256 = 5.55 nats), far from trivial.
     assert 2.5 < corpus.unigram_entropy() < 4.0
-    a, b = data.train_batches(corpus.train, 4, 16, seed=3), data.train_batches(corpus.train, 4, 16, seed=3)
+    a, b = (
+        data.train_batches(corpus.train, 4, 16, seed=3),
+        data.train_batches(corpus.train, 4, 16, seed=3),
+    )
     batch = next(a)
     np.testing.assert_array_equal(batch["inputs"], next(b)["inputs"])
     np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
@@ -92,9 +105,28 @@ def test_run_demo_beats_unigram_and_writes_outputs(tmp_path):
 
 
 def test_demo_command_prints_json_and_writes_files(tmp_path, capsys):
-    args = ["demo", "--steps", "2", "--model-size", "tiny", "--batch-size", "8", "--seq-len", "16",
-            "--eval-windows", "8", "--baseline", "none", "--max-corpus-bytes", "100000", "--tied-embedding",
-            "--no-fused-qkv", "--out", str(tmp_path), "--json"]
+    args = [
+        "demo",
+        "--steps",
+        "2",
+        "--model-size",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "16",
+        "--eval-windows",
+        "8",
+        "--baseline",
+        "none",
+        "--max-corpus-bytes",
+        "100000",
+        "--tied-embedding",
+        "--no-fused-qkv",
+        "--out",
+        str(tmp_path),
+        "--json",
+    ]
     assert main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads((tmp_path / "metrics.json").read_text())
@@ -103,9 +135,14 @@ def test_demo_command_prints_json_and_writes_files(tmp_path, capsys):
 
 
 def test_demo_command_user_errors_exit_2(capsys):
-    assert main(["demo", "--batch-size", "12", "--devices", "8", "--steps", "1", "--out", "unused"]) == 2
+    assert (
+        main(["demo", "--batch-size", "12", "--devices", "8", "--steps", "1", "--out", "unused"])
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "lwjax demo: DemoConfig.batch_size must divide by the 8 devices; got batch_size=12" in err
+    assert (
+        "lwjax demo: DemoConfig.batch_size must divide by the 8 devices; got batch_size=12" in err
+    )
     assert main(["demo", "--model-size", "huge"]) == 2
     assert "DemoConfig.model_size must be one of" in capsys.readouterr().err
     assert main(["demo", "--devices", "64", "--out", "unused"]) == 2
@@ -114,9 +151,10 @@ def test_demo_command_user_errors_exit_2(capsys):
 
 
 def test_demo_config_fields_are_cli_flags():
-    from lwjax.cli import _build_parser
+    from lwjax.tools.cli import _build_parser
 
     args = vars(_build_parser().parse_args(["demo"]))
     assert {f.name for f in dataclasses.fields(DemoConfig)} <= set(args)
     assert {name: args[name] for name in ("steps", "model_size", "batch_size", "out")} == {
-        name: getattr(DemoConfig, name) for name in ("steps", "model_size", "batch_size", "out")}
+        name: getattr(DemoConfig, name) for name in ("steps", "model_size", "batch_size", "out")
+    }

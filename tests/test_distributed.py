@@ -1,4 +1,5 @@
-"""lwjax across processes: 2 processes x 4 CPU devices train like 1 x 8, checkpoint across, fail fast.
+"""lwjax across processes: 2 processes x 4 CPU devices train like 1 x 8, checkpoint
+across, fail fast.
 
 The multi-process runs are spawned through :func:`lwjax.launch.launch` (this
 pytest process has used JAX, so it cannot join a job); the single-process
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax import checkpoint
 from lwjax import distributed as dist
 from lwjax.launch import LaunchConfig, launch
-from lwjax.optimizer import to_logical
+from lwjax.logical import to_logical
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "train_worker.py"
 STEPS = 3
@@ -39,8 +40,14 @@ worker = _worker_module()
 
 def _launch(*args, nproc=2, devices=4, **options):
     out, report = io.StringIO(), io.StringIO()
-    config = LaunchConfig(command=(sys.executable, str(WORKER), *map(str, args)), nproc=nproc,
-                          devices_per_proc=devices, timeout=LAUNCH_TIMEOUT, env={"JAX_PLATFORMS": "cpu"}, **options)
+    config = LaunchConfig(
+        command=(sys.executable, str(WORKER), *map(str, args)),
+        nproc=nproc,
+        devices_per_proc=devices,
+        timeout=LAUNCH_TIMEOUT,
+        env={"JAX_PLATFORMS": "cpu"},
+        **options,
+    )
     result = launch(config, out=out, report=report)
     return result, out.getvalue(), report.getvalue()
 
@@ -49,23 +56,37 @@ def _launch(*args, nproc=2, devices=4, **options):
 
 
 def test_config_from_env_reads_the_launcher_variables_and_arguments_win():
-    env = {dist.ENV_COORDINATOR: "10.0.0.1:4000", dist.ENV_NUM_PROCESSES: "4", dist.ENV_PROCESS_ID: "3",
-           dist.ENV_CPU_DEVICES: "2", dist.ENV_HEARTBEAT_TIMEOUT: "9"}
+    env = {
+        dist.ENV_COORDINATOR: "10.0.0.1:4000",
+        dist.ENV_NUM_PROCESSES: "4",
+        dist.ENV_PROCESS_ID: "3",
+        dist.ENV_CPU_DEVICES: "2",
+        dist.ENV_HEARTBEAT_TIMEOUT: "9",
+    }
     config = dist.config_from_env(env, process_id=1, shutdown_timeout=7)
-    assert config == dist.DistributedConfig("10.0.0.1:4000", 4, 1, cpu_devices=2, heartbeat_timeout=9,
-                                            shutdown_timeout=7)
+    assert config == dist.DistributedConfig(
+        "10.0.0.1:4000", 4, 1, cpu_devices=2, heartbeat_timeout=9, shutdown_timeout=7
+    )
     assert config.is_distributed
     assert not dist.config_from_env({}).is_distributed
     assert dist.config_from_env({dist.ENV_CLUSTER_DETECTION: "slurm"}).is_distributed
 
 
-@pytest.mark.parametrize("env,fields,message", [
-    ({dist.ENV_NUM_PROCESSES: "two"}, {}, "LWJAX_NUM_PROCESSES must be an integer; got LWJAX_NUM_PROCESSES='two'"),
-    ({}, {"num_processes": 2, "process_id": 2}, "process_id must be < num_processes"),
-    ({}, {"cluster_detection": "pbs"}, "cluster_detection must be one of"),
-    ({}, {"coordinator_address": "localhost"}, "must be 'host:port'"),
-    ({}, {"heartbeat_timeout": 0}, "heartbeat_timeout must be a positive int"),
-], ids=["env-not-int", "id-out-of-range", "unknown-cluster", "no-port", "zero-timeout"])
+@pytest.mark.parametrize(
+    "env,fields,message",
+    [
+        (
+            {dist.ENV_NUM_PROCESSES: "two"},
+            {},
+            "LWJAX_NUM_PROCESSES must be an integer; got LWJAX_NUM_PROCESSES='two'",
+        ),
+        ({}, {"num_processes": 2, "process_id": 2}, "process_id must be < num_processes"),
+        ({}, {"cluster_detection": "pbs"}, "cluster_detection must be one of"),
+        ({}, {"coordinator_address": "localhost"}, "must be 'host:port'"),
+        ({}, {"heartbeat_timeout": 0}, "heartbeat_timeout must be a positive int"),
+    ],
+    ids=["env-not-int", "id-out-of-range", "unknown-cluster", "no-port", "zero-timeout"],
+)
 def test_config_rejects_bad_settings(env, fields, message):
     with pytest.raises(ValueError, match=message):
         dist.config_from_env(env, **fields)
@@ -92,7 +113,9 @@ def test_initialize_refuses_incomplete_or_late_settings():
 def test_batches_and_replicas_in_one_process():
     mesh = dist.global_mesh()
     assert mesh.shape == {"dp": 8} and dist.global_mesh(4).shape == {"dp": 4}
-    with pytest.raises(ValueError, match=r"num_devices must be a multiple of the 1 process\(es\) in \[1, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"num_devices must be a multiple of the 1 process\(es\) in \[1, 8\]"
+    ):
         dist.global_mesh(9)
     assert dist.process_rows(32, mesh) == slice(0, 32)
     with pytest.raises(ValueError, match="must divide by dp=8; got global_rows=12"):
@@ -110,7 +133,9 @@ def test_batches_and_replicas_in_one_process():
 
 
 def test_batches_split_over_several_axes():
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "ep"))  # e.g. optimizer.data_axes == ("dp", "ep")
+    mesh = Mesh(
+        np.array(jax.devices()).reshape(4, 2), ("dp", "ep")
+    )  # e.g. optimizer.data_axes == ("dp", "ep")
     assert dist.process_rows(16, mesh, axis=("dp", "ep")) == slice(0, 16)
     batch = dist.shard_batch({"x": np.arange(16 * 3).reshape(16, 3)}, mesh, axis=("dp", "ep"))
     assert batch["x"].sharding.spec == P(("dp", "ep")) and len(batch["x"].sharding.device_set) == 8
@@ -121,7 +146,9 @@ def test_batches_split_over_several_axes():
 
 
 def _state_on_host(optimizer, params, state) -> dict:
-    return worker.flat(dist.gather_to_host({"params": params, "state": to_logical(optimizer, state)}))
+    return worker.flat(
+        dist.gather_to_host({"params": params, "state": to_logical(optimizer, state)})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +161,9 @@ def runs(tmp_path_factory):
     optimizer, params, state, losses = worker.train(dist.global_mesh(), STEPS, log=lambda _: None)
     checkpoint.save(out_dir / "one_process_ckpt", params, state, optimizer)
     one = {"losses": np.asarray(losses), **_state_on_host(optimizer, params, state)}
-    result, out, report = _launch("--steps", STEPS, "--out", out_dir, "--save",
-                                  "--restore", out_dir / "one_process_ckpt")
+    result, out, report = _launch(
+        "--steps", STEPS, "--out", out_dir, "--save", "--restore", out_dir / "one_process_ckpt"
+    )
     assert result.returncode == 0, out + report
     return {"one": one, "two": dict(np.load(out_dir / "result.npz")), "dir": out_dir, "out": out}
 
@@ -143,10 +171,15 @@ def runs(tmp_path_factory):
 def test_two_processes_train_like_one_process(runs):
     out, one, two = runs["out"], runs["one"], runs["two"]
     assert "[p0] process 0/2: 4 local, 8 global devices" in out and "[p1] step 2" in out
-    assert "rows 0:16" in out and "rows 16:32" in out  # each process loads half of each global batch
+    assert (
+        "rows 0:16" in out and "rows 16:32" in out
+    )  # each process loads half of each global batch
     assert set(two) == set(one)
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-6)
-    for name, value in one.items():  # same mesh, layout and data; only the reduction order may differ
+    for (
+        name,
+        value,
+    ) in one.items():  # same mesh, layout and data; only the reduction order may differ
         np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     assert int(two["['state'].count"]) == STEPS
 
@@ -173,8 +206,17 @@ def test_checkpoint_from_one_process_restores_in_two(runs):
 def test_dead_process_fails_the_others_at_their_next_collective():
     # Process 1 crashes after step 2; process 0 is then inside step 3's reduce-scatter. The launcher
     # lets it run (stop_on_failure=False) to show that lwjax.distributed itself ends it.
-    result, out, report = _launch("--steps", 1000, "--die-after", 2, "--die-process", 1, devices=2,
-                                  heartbeat_timeout=HEARTBEAT, stop_on_failure=False)
+    result, out, report = _launch(
+        "--steps",
+        1000,
+        "--die-after",
+        2,
+        "--die-process",
+        1,
+        devices=2,
+        heartbeat_timeout=HEARTBEAT,
+        stop_on_failure=False,
+    )
     p0, p1 = result.exits
     assert result.failed == 1 and p1.returncode == 1, out + report
     assert p0.returncode != 0 and not p0.stopped_by_launcher, out + report
@@ -186,8 +228,19 @@ def test_dead_process_fails_the_others_at_their_next_collective():
 
 def test_dead_process_ends_a_process_outside_collectives_by_heartbeat():
     # Process 0 sleeps on the host when process 1 dies: only JAX's heartbeat can tell it.
-    result, out, report = _launch("--steps", 1000, "--die-after", 2, "--die-process", 1, "--hang-process", 0,
-                                  devices=2, heartbeat_timeout=HEARTBEAT, stop_on_failure=False)
+    result, out, report = _launch(
+        "--steps",
+        1000,
+        "--die-after",
+        2,
+        "--die-process",
+        1,
+        "--hang-process",
+        0,
+        devices=2,
+        heartbeat_timeout=HEARTBEAT,
+        stop_on_failure=False,
+    )
     p0, p1 = result.exits
     assert result.failed == 1 and p1.returncode == 1, out + report
     assert "[p0] process 0 sleeps on the host" in out

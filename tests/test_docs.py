@@ -1,5 +1,7 @@
-"""The docs run and stay complete: every ```python block executes, every option and public name is documented."""
+"""The docs run and stay complete: every ```python block executes, every option and public name
+is documented."""
 
+import ast
 import dataclasses
 import inspect
 import pathlib
@@ -10,14 +12,27 @@ import numpy as np
 import pytest
 
 import lwjax
+from lwjax import logical as logical_lib
 from lwjax import muon as muon_lib
+from lwjax import newton_schulz as newton_schulz_lib
 from lwjax import optimizer as optimizer_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = ("index", "concepts", "quickstart", "routing", "configuration", "migration", "troubleshooting", "api",
-         "benchmarks", "multihost")
-PAGES_WITHOUT_PYTHON = ("index", "benchmarks")
+PAGES = (
+    "index",
+    "architecture",
+    "concepts",
+    "quickstart",
+    "routing",
+    "configuration",
+    "migration",
+    "troubleshooting",
+    "api",
+    "benchmarks",
+    "multihost",
+)
+PAGES_WITHOUT_PYTHON = ("index", "architecture", "benchmarks")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SIGNATURE_BLOCK = re.compile(r"^### `([\w.]+)`\n+```text\n(.*?)^```", re.S | re.M)
 
@@ -51,10 +66,18 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     prelude = {
         "__name__": "readme",
-        "params": {"w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32), "b1": jnp.zeros(32),
-                   "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, jnp.float32)},
-        "loss_fn": lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w1"] + p["b1"]) @ p["w2"] - b[1]) ** 2),
-        "batch": (rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)),
+        "params": {
+            "w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32),
+            "b1": jnp.zeros(32),
+            "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, jnp.float32),
+        },
+        "loss_fn": lambda p, b: jnp.mean(
+            (jnp.tanh(b[0] @ p["w1"] + p["b1"]) @ p["w2"] - b[1]) ** 2
+        ),
+        "batch": (
+            rng.standard_normal((16, 8)).astype(np.float32),
+            rng.standard_normal((16, 4)).astype(np.float32),
+        ),
     }
     assert run_blocks(ROOT / "README.md", prelude) >= 2
 
@@ -63,11 +86,21 @@ def _option_names() -> dict[str, list[str]]:
     """Every user-facing option: constructor arguments and config fields."""
     skip = {"params", "mesh", "routing", "loss_fn", "optimizer"}
     return {
-        "layerwise_muon": [n for n in inspect.signature(lwjax.layerwise_muon).parameters if n not in skip],
-        "make_train_step": [n for n in inspect.signature(lwjax.make_train_step).parameters if n not in skip],
-        "route_leaves": [n for n in inspect.signature(lwjax.route_leaves).parameters if n != "leaves"],
+        "layerwise_muon": [
+            n for n in inspect.signature(lwjax.layerwise_muon).parameters if n not in skip
+        ],
+        "make_train_step": [
+            n for n in inspect.signature(lwjax.make_train_step).parameters if n not in skip
+        ],
+        "route_leaves": [
+            n
+            for n in inspect.signature(lwjax.route_leaves).parameters
+            if n not in ("leaves", "rules")
+        ],
         "OptimizerConfig": [f.name for f in dataclasses.fields(lwjax.OptimizerConfig)],
         "MuonConfig": [f.name for f in dataclasses.fields(lwjax.MuonConfig)],
+        "LayoutConfig": [f.name for f in dataclasses.fields(lwjax.LayoutConfig)],
+        "RoutingRules": [f.name for f in dataclasses.fields(lwjax.RoutingRules)],
     }
 
 
@@ -77,7 +110,7 @@ def test_configuration_reference_lists_every_option_with_its_default(owner):
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", text, re.M)}
     missing = [n for n in _option_names()[owner] if n not in rows]
     assert not missing, f"docs/configuration.md lacks rows for {owner} options {missing}"
-    if owner in ("OptimizerConfig", "MuonConfig"):
+    if owner in ("OptimizerConfig", "MuonConfig", "LayoutConfig"):
         for field in dataclasses.fields(getattr(lwjax, owner)):
             shown = {f"`{field.default!r}`", f'`"{field.default}"`'}
             assert any(s in rows[field.name] for s in shown), (owner, field.name, field.default)
@@ -85,30 +118,62 @@ def test_configuration_reference_lists_every_option_with_its_default(owner):
 
 def test_configuration_reference_names_the_megatron_flags():
     text = (DOCS / "configuration.md").read_text()
-    flags = ["--optimizer muon --use-distributed-optimizer", "--muon-momentum", "--muon-nesterov",
-             "--muon-scale-mode", "--muon-extra-scale-factor", "--muon-num-ns-steps", "--muon-coefficient-type",
-             "--muon-fp32-matmul-prec", "--muon-no-split-qkv", "--clip-grad", "--weight-decay", "--ddp-bucket-size",
-             "--accumulate-allreduce-grads-in-fp32", "--ddp-pad-buckets-for-high-nccl-busbw", "--adam-beta1",
-             "--adam-beta2", "--adam-eps", "--lr"]
+    flags = [
+        "--optimizer muon --use-distributed-optimizer",
+        "--muon-momentum",
+        "--muon-nesterov",
+        "--muon-scale-mode",
+        "--muon-extra-scale-factor",
+        "--muon-num-ns-steps",
+        "--muon-coefficient-type",
+        "--muon-fp32-matmul-prec",
+        "--muon-no-split-qkv",
+        "--clip-grad",
+        "--weight-decay",
+        "--ddp-bucket-size",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--ddp-pad-buckets-for-high-nccl-busbw",
+        "--adam-beta1",
+        "--adam-beta2",
+        "--adam-eps",
+        "--lr",
+    ]
     assert [f for f in flags if f"`{f}" not in text] == []
 
 
 def _public_api() -> dict[str, object]:
-    """``lwjax.__all__``, the public functions and classes of ``lwjax.muon``, and named extras."""
-    from lwjax.demo import data, devices, model, run
+    """``lwjax.__all__``, the public names of the Muon math modules, and named extras."""
+    from lwjax.tools.demo import data, devices, model, run
 
-    names = {f"lwjax.{name}": getattr(lwjax, name) for name in lwjax.__all__ if name != "__version__"}
-    for name, obj in vars(muon_lib).items():
-        if not name.startswith("_") and getattr(obj, "__module__", None) == muon_lib.__name__:
-            names[f"lwjax.muon.{name}"] = obj
-    extras = {optimizer_lib: ("LogicalState", "state_shardings"),
-              run: ("run_demo", "DemoConfig"),
-              model: ("GPT", "GPTConfig", "lwjax_routing", "make_loss_fn", "stack_blocks"),
-              data: ("load_stdlib_corpus",), devices: ("local_mesh",)}
+    names = {
+        f"lwjax.{name}": getattr(lwjax, name) for name in lwjax.__all__ if name != "__version__"
+    }
+    for module in (muon_lib, newton_schulz_lib):
+        for name, obj in vars(module).items():
+            if not name.startswith("_") and getattr(obj, "__module__", None) == module.__name__:
+                names[f"{module.__name__}.{name}"] = obj
+    extras = {
+        logical_lib: ("LogicalState",),
+        optimizer_lib: ("state_shardings",),
+        run: ("run_demo", "DemoConfig"),
+        model: ("GPT", "GPTConfig", "lwjax_routing", "make_loss_fn", "stack_blocks"),
+        data: ("load_stdlib_corpus",),
+        devices: ("local_mesh",),
+    }
     for module, members in extras.items():
         for name in members:
             names[f"{module.__name__}.{name}"] = getattr(module, name)
     return names
+
+
+def _parameter_names(signature: str) -> list[str]:
+    """Parameter names of a documented ``name(params...)`` signature, defaults and all."""
+    source = "def f" + signature[signature.index("(") :].strip() + ": pass"
+    args = ast.parse(source).body[0].args
+    names = [a.arg for a in (*args.posonlyargs, *args.args)]
+    names += [args.vararg.arg] if args.vararg else []
+    names += [a.arg for a in args.kwonlyargs]
+    return names + ([args.kwarg.arg] if args.kwarg else [])
 
 
 def test_api_reference_covers_the_public_api_with_current_signatures():
@@ -119,8 +184,41 @@ def test_api_reference_covers_the_public_api_with_current_signatures():
     for name, obj in _public_api().items():
         if not callable(obj) or isinstance(obj, type) and issubclass(obj, tuple):
             continue
-        target = obj.__init__ if isinstance(obj, type) else obj  # nnx modules hide the signature of __init__
+        target = (
+            obj.__init__ if isinstance(obj, type) else obj
+        )  # nnx modules hide the signature of __init__
         wanted = [n for n in inspect.signature(target).parameters if n != "self"]
-        shown = re.findall(r"[(,]\s*\**([A-Za-z_]\w*)", documented[name].replace("\n", " "))
-        shown = [n for n in shown if n != "_"]
+        shown = _parameter_names(documented[name])
         assert shown == wanted, f"docs/api.md: {name} documents {shown}, code has {wanted}"
+
+
+def test_lazy_exports_are_the_type_checking_imports():
+    """``lwjax``'s lazily loaded names are exactly those its ``TYPE_CHECKING`` block imports."""
+    tree = ast.parse(pathlib.Path(lwjax.__file__).read_text())
+    (block,) = [
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    ]
+    imported = {a.asname: node.module for node in block.body for a in node.names}
+    assert imported == lwjax._LAZY
+    assert all(getattr(lwjax, name) is not None for name in lwjax.__all__)
+
+
+def test_architecture_module_map_names_every_module():
+    """docs/architecture.md's module map lists every module of the package (tools by folder)."""
+    text = (DOCS / "architecture.md").read_text()
+    package = ROOT / "lwjax"
+    modules = [p for p in package.glob("*.py") if p.name != "__init__.py"]
+    modules += [p for p in (package / "tools").glob("*.py") if p.name != "__init__.py"]
+    missing = [p.name for p in modules if p.name not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"
+    assert "lwjax/megatron/" in text and "demo/" in text
+
+
+@pytest.mark.parametrize("module", ["optimizer", "train", "routing", "policies"])
+def test_core_docstring_examples_run(module):
+    """The Examples blocks of the entry points run as written."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"lwjax.{module}"))
+    assert result.failed == 0 and result.attempted > 0

@@ -1,4 +1,5 @@
-"""lwjax on flax models: scanned vs unrolled nnx GPT, the fused-QKV split in the sharded step, linen names."""
+"""lwjax on flax models: scanned vs unrolled nnx GPT, the fused-QKV split in the
+sharded step, linen names."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import lwjax
 from lwjax import muon as muon_lib
-from lwjax.demo.model import GPT, GPTConfig, lwjax_routing, make_loss_fn, stack_blocks
+from lwjax.tools.demo.model import GPT, GPTConfig, lwjax_routing, make_loss_fn, stack_blocks
 
 CONFIG = GPTConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_hidden=64)
 EXACT = lwjax.MuonConfig(fp32_matmul_prec="highest")
@@ -53,15 +54,18 @@ def test_scanned_and_unrolled_gpt_train_identically_at_dp4():
 
     mesh = mesh_of(4)
     unrolled, scanned = replicated(unrolled, mesh), replicated(scanned, mesh)
-    opt_u = lwjax.layerwise_muon(unrolled, mesh, muon=EXACT, **lwjax_routing(CONFIG))
-    opt_s = lwjax.layerwise_muon(scanned, mesh, muon=EXACT, **lwjax_routing(scanned_config))
+    opt_u = lwjax.layerwise_muon(unrolled, mesh, muon=EXACT, routing=lwjax_routing(CONFIG))
+    opt_s = lwjax.layerwise_muon(scanned, mesh, muon=EXACT, routing=lwjax_routing(scanned_config))
     muon_u = [name for r in opt_u.plan.routes if r.is_muon for name in r.param_names()]
     muon_s = [name for r in opt_s.plan.routes if r.is_muon for name in r.param_names()]
     assert len(muon_u) == len(muon_s) == 5 * CONFIG.num_layers  # qkv, out, gate, up, down per layer
     assert "blocks/attn/qkv/kernel[1]" in muon_s
     assert not any(r.is_muon for r in opt_s.plan.routes if r.path.endswith("norm/scale"))
 
-    step_u, step_s = lwjax.make_train_step(loss_unrolled, opt_u), lwjax.make_train_step(loss_scanned, opt_s)
+    step_u, step_s = (
+        lwjax.make_train_step(loss_unrolled, opt_u),
+        lwjax.make_train_step(loss_scanned, opt_s),
+    )
     state_u, state_s = opt_u.init(unrolled), opt_s.init(scanned)
     for batch in data:  # (the first step's loss is that of the shared initial weights)
         unrolled, state_u, metrics_u = step_u(unrolled, state_u, batch)
@@ -69,38 +73,58 @@ def test_scanned_and_unrolled_gpt_train_identically_at_dp4():
         np.testing.assert_allclose(metrics_u["loss"], metrics_s["loss"], rtol=1e-5)
         np.testing.assert_allclose(metrics_u["grad_norm"], metrics_s["grad_norm"], rtol=1e-5)
     expected = stack_blocks(unrolled, scanned)
-    for route, got, want in zip(opt_s.plan.routes, jax.tree.leaves(scanned), jax.tree.leaves(expected)):
+    for route, got, want in zip(
+        opt_s.plan.routes, jax.tree.leaves(scanned), jax.tree.leaves(expected)
+    ):
         # Scan and unrolled loops round differently; Adam's g/sqrt(v) passes that on at full size
         # for tiny gradients (seen: 1e-5 here, 4e-5 on another CPU). Muon matrices agree to ~1e-6.
         tolerance = 1e-5 if route.is_muon else 1e-4
         assert max_rel_err(got, want) <= tolerance, (route.path, max_rel_err(got, want))
-    moved = max(max_rel_err(a, b) for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(template)))
+    moved = max(
+        max_rel_err(a, b) for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(template))
+    )
     assert moved > 1e-3  # the parameters really trained
 
 
-@pytest.mark.parametrize("scale_mode", ["spectral", "unit_rms_norm"])  # the second scales each piece differently
+@pytest.mark.parametrize(
+    "scale_mode", ["spectral", "unit_rms_norm"]
+)  # the second scales each piece differently
 @pytest.mark.parametrize("pipeline_muon", [False, True])
 def test_fused_qkv_split_in_sharded_step_matches_per_piece_muon(pipeline_muon, scale_mode):
     """flax kernels are [in, out]; the step must split q/k/v along the *output* features."""
-    config = dataclasses.replace(CONFIG, num_layers=1, tied_embedding=True)  # (the untied head starts at zero)
+    config = dataclasses.replace(
+        CONFIG, num_layers=1, tied_embedding=True
+    )  # (the untied head starts at zero)
     params, loss_fn = split(config)
     batch = next(batches(1))
     lr = 0.05
-    opt = lwjax.layerwise_muon(params, mesh_of(4), learning_rate=lr,
-                               muon=dataclasses.replace(EXACT, scale_mode=scale_mode),
-                               config=lwjax.OptimizerConfig(weight_decay=0.0, clip_grad=None,
-                                                            pipeline_muon=pipeline_muon),
-                               **lwjax_routing(config))
-    assert {r.path: r.qkv_split_shapes for r in opt.plan.routes}["blocks/0/attn/qkv/kernel"] == (16, 8, 8)
+    opt = lwjax.layerwise_muon(
+        params,
+        mesh_of(4),
+        learning_rate=lr,
+        muon=dataclasses.replace(EXACT, scale_mode=scale_mode),
+        config=lwjax.OptimizerConfig(weight_decay=0.0, clip_grad=None, pipeline_muon=pipeline_muon),
+        routing=lwjax_routing(config),
+    )
+    assert {r.path: r.qkv_split_shapes for r in opt.plan.routes}["blocks/0/attn/qkv/kernel"] == (
+        16,
+        8,
+        8,
+    )
     kernel = params["blocks"][0]["attn"]["qkv"]["kernel"][...]
-    grad = jax.jit(jax.grad(loss_fn))(params, batch)["blocks"][0]["attn"]["qkv"]["kernel"][...]  # full-batch mean
-    new_params, _, _ = lwjax.make_train_step(loss_fn, opt, donate=False)(params, opt.init(params), batch)
+    grad = jax.jit(jax.grad(loss_fn))(params, batch)["blocks"][0]["attn"]["qkv"]["kernel"][
+        ...
+    ]  # full-batch mean
+    new_params, _, _ = lwjax.make_train_step(loss_fn, opt, donate=False)(
+        params, opt.init(params), batch
+    )
     got = np.asarray(new_params["blocks"][0]["attn"]["qkv"]["kernel"][...])
 
     def expected(split_shapes):
         # First step from zero momentum: NS normalises, so the momentum scale (1 - beta) drops out.
-        direction = muon_lib.orthogonalize(grad.T, precision="highest", scale_mode=scale_mode,
-                                           qkv_split_shapes=split_shapes)
+        direction = muon_lib.orthogonalize(
+            grad.T, precision="highest", scale_mode=scale_mode, qkv_split_shapes=split_shapes
+        )
         return np.asarray(kernel - lr * direction.T)
 
     assert max_rel_err(got, expected((16, 8, 8))) <= 1e-5
@@ -125,8 +149,12 @@ def test_linen_params_route_by_the_same_paths():
             return embed.attend(x)
 
     params = LM().init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    opt = lwjax.layerwise_muon(params, mesh_of(2), tied=["embed/embedding"])
+    opt = lwjax.layerwise_muon(
+        params, mesh_of(2), routing=lwjax.RoutingRules(tied=["embed/embedding"])
+    )
     routes = {r.path: r for r in opt.plan.routes}
-    assert sorted(p for p, r in routes.items() if r.is_muon) == [f"blocks_{i}/up/kernel" for i in range(3)]
+    assert sorted(p for p, r in routes.items() if r.is_muon) == [
+        f"blocks_{i}/up/kernel" for i in range(3)
+    ]
     assert routes["embed/embedding"].is_shared_embedding and not routes["embed/embedding"].is_muon
     assert not routes["blocks_0/up/bias"].is_muon and not routes["blocks_0/norm/scale"].is_muon

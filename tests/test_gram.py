@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwjax import gram, muon
+from lwjax import gram
+from lwjax import newton_schulz as ns_lib
 
 
 @pytest.fixture
@@ -21,7 +22,9 @@ def _bf16(seed, *shape):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("axis, shape", [(-1, (2, 256, 192)), (-2, (2, 3, 320, 256))], ids=["wide", "tall_2x3"])
+@pytest.mark.parametrize(
+    "axis, shape", [(-1, (2, 256, 192)), (-2, (2, 3, 320, 256))], ids=["wide", "tall_2x3"]
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_upper_gram_matches_float64_and_is_exactly_symmetric(small_grams, axis, shape, dtype):
     x = _bf16(0, *shape)
@@ -35,22 +38,27 @@ def test_upper_gram_matches_float64_and_is_exactly_symmetric(small_grams, axis, 
     np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("shape, axis, dtype, takes", [
-    ((4, 2048, 16384), -1, jnp.bfloat16, True),
-    ((16384, 2048), -2, jnp.bfloat16, True),
-    ((2048, 16384), -1, jnp.float32, False),
-    ((1024, 4096), -1, jnp.bfloat16, False),
-    ((2100, 4096), -1, jnp.bfloat16, False),
-    ((2048, 4100), -1, jnp.bfloat16, False),
-    ((2048, 4096), 0, jnp.bfloat16, False),
-    ((2048,), -1, jnp.bfloat16, False),
-])
+@pytest.mark.parametrize(
+    "shape, axis, dtype, takes",
+    [
+        ((4, 2048, 16384), -1, jnp.bfloat16, True),
+        ((16384, 2048), -2, jnp.bfloat16, True),
+        ((2048, 16384), -1, jnp.float32, False),
+        ((1024, 4096), -1, jnp.bfloat16, False),
+        ((2100, 4096), -1, jnp.bfloat16, False),
+        ((2048, 4100), -1, jnp.bfloat16, False),
+        ((2048, 4096), 0, jnp.bfloat16, False),
+        ((2048,), -1, jnp.bfloat16, False),
+    ],
+)
 def test_fits_takes_only_big_aligned_bf16_stacks(shape, axis, dtype, takes):
     assert gram.fits(shape, axis, dtype) is takes
 
 
-@pytest.mark.parametrize("size, depth, share", [(2048, 16384, 17 / 32), (4096, 4096, 33 / 64), (1024, 4096, 1.0),
-                                               (2048, 4100, 1.0)])
+@pytest.mark.parametrize(
+    "size, depth, share",
+    [(2048, 16384, 17 / 32), (4096, 4096, 33 / 64), (1024, 4096, 1.0), (2048, 4100, 1.0)],
+)
 def test_computed_share_counts_the_tiles_on_and_above_the_diagonal(size, depth, share):
     tiles = size // gram.BLOCK
     upper = sum(1 for i in range(tiles) for j in range(tiles) if i <= j)
@@ -64,28 +72,47 @@ def test_upper_gram_rejects_a_stack_it_does_not_fit():
         gram.upper_gram(jnp.zeros((1024, 4096), jnp.bfloat16), -1, jnp.float32)
 
 
-@pytest.mark.parametrize("shape, tall", [((2, 256, 448), False), ((2, 448, 256), True)], ids=["wide", "tall"])
-def test_folded_newton_schulz_with_the_kernel_stays_as_near_fp32(small_grams, monkeypatch, shape, tall):
-    # The CUDA iteration with both symmetric products from the kernel, against the same iteration with
-    # XLA's products: as close to an fp32 run of Megatron's order (on the transpose, for a tall stack).
+@pytest.mark.parametrize(
+    "shape, tall", [((2, 256, 448), False), ((2, 448, 256), True)], ids=["wide", "tall"]
+)
+def test_folded_newton_schulz_with_the_kernel_stays_as_near_fp32(
+    small_grams, monkeypatch, shape, tall
+):
+    # The CUDA iteration with both symmetric products from the kernel, against the same
+    # iteration with XLA's products: as close to an fp32 run of Megatron's order (on the
+    # transpose, for a tall stack).
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     y = np.swapaxes(x, -1, -2) if tall else x
     y /= np.linalg.norm(y, axis=(-2, -1), keepdims=True)
-    steps = muon._coefficient_schedule("quintic", 5)
-    reference = np.asarray(muon._iterate_exact(jnp.asarray(y), steps, precision=jax.lax.Precision.HIGHEST,
-                                                acc_dtype=jnp.float32))
+    steps = ns_lib._coefficient_schedule("quintic", 5)
+    reference = np.asarray(
+        ns_lib._iterate_exact(
+            jnp.asarray(y), steps, precision=jax.lax.Precision.HIGHEST, acc_dtype=jnp.float32
+        )
+    )
     reference = np.swapaxes(reference, -1, -2) if tall else reference
     start = jnp.asarray(np.swapaxes(y, -1, -2) if tall else y, jnp.bfloat16)
-    run = functools.partial(muon._iterate_folded, start, steps, precision=jax.lax.Precision.DEFAULT,
-                            acc_dtype=jnp.float32, tall=tall)
+    run = functools.partial(
+        ns_lib._iterate_folded,
+        start,
+        steps,
+        precision=jax.lax.Precision.DEFAULT,
+        acc_dtype=jnp.float32,
+        tall=tall,
+    )
     calls = []
-    monkeypatch.setattr(gram, "upper_gram", lambda *a, _f=gram.upper_gram, **k: calls.append(a[1]) or _f(*a, **k))
+    monkeypatch.setattr(
+        gram, "upper_gram", lambda *a, _f=gram.upper_gram, **k: calls.append(a[1]) or _f(*a, **k)
+    )
     outs = {}
     with jax.disable_jit():
         outs["kernel"] = np.asarray(run(), np.float32)
         assert calls == [-2 if tall else -1, -1] * len(steps)
         monkeypatch.setattr(gram, "fits", lambda *a: False)
         outs["xla"] = np.asarray(run(), np.float32)
-    errors = {name: np.sqrt(np.mean((out - reference) ** 2) / np.mean(reference**2)) for name, out in outs.items()}
+    errors = {
+        name: np.sqrt(np.mean((out - reference) ** 2) / np.mean(reference**2))
+        for name, out in outs.items()
+    }
     assert errors["kernel"] <= 1.05 * errors["xla"], errors
     assert errors["xla"] < 0.01, errors

@@ -3,7 +3,7 @@
 Random models mix 1-D and 2-D parameters (dims up to 300, often repeated so that
 equal-size peers exist), with some tied embeddings; dp 1..8, bucket sizes
 ``None`` or random, high-bandwidth padding on or off. Also checks that
-:mod:`lwjax.layout_report` conserves elements and FLOPs.
+:mod:`lwjax.tools.layout_report` conserves elements and FLOPs.
 """
 
 import json
@@ -12,16 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lwjax.layout import PARAM_ALIGN, ParamSpec, bucket_end_divisor, pad_param_start
-from lwjax.layout_report import layout_to_json, summarize_buffer, summarize_layout
-from lwjax.policies import (
-    POLICIES,
-    buffer_key_of,
-    compute_distributed_optimizer_layout,
-    compute_full_param_layout,
-    compute_layout,
-    ns_flops,
-)
+from lwjax import LayoutConfig
+from lwjax.cost import ns_flops
+from lwjax.elementwise_layout import compute_distributed_optimizer_layout
+from lwjax.layout import PARAM_ALIGN, POLICIES, ParamSpec, bucket_end_divisor, pad_param_start
+from lwjax.policies import buffer_key_of, compute_full_param_layout, compute_layout
+from lwjax.tools.layout_report import layout_to_json, summarize_buffer, summarize_layout
 
 PROPERTY_SETTINGS = settings(max_examples=300, deadline=None, database=None)
 
@@ -35,15 +31,21 @@ def models(draw, *, with_experts=False):
     """1..40 parameters in definition order: ``p{i}``, Muon iff 2-D and not tied."""
     entries = draw(
         st.lists(
-            st.tuples(_shapes, _tied, st.booleans() if with_experts else st.just(False),
-                      st.sampled_from(["bfloat16", "float32"]) if with_experts else st.just("bfloat16")),
+            st.tuples(
+                _shapes,
+                _tied,
+                st.booleans() if with_experts else st.just(False),
+                st.sampled_from(["bfloat16", "float32"]) if with_experts else st.just("bfloat16"),
+            ),
             min_size=1,
             max_size=40,
         )
     )
     return [
         ParamSpec(
-            f"p{i}", shape, dtype,
+            f"p{i}",
+            shape,
+            dtype,
             is_muon=len(shape) == 2 and not tied,
             is_shared_embedding=tied,
             is_expert=expert and not tied,
@@ -123,18 +125,26 @@ def _check_layer_wise(layout, specs, dp, high_busbw):
 @given(specs=models(), dp=_dp, bucket_size=_bucket_size, high_busbw=st.booleans())
 def test_compute_layout_invariants_every_policy(specs, dp, bucket_size, high_busbw):
     for policy in POLICIES:
-        layout = compute_layout(specs, dp, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw)
+        layout = compute_layout(
+            specs, dp, LayoutConfig(policy=policy, bucket_size=bucket_size, high_busbw=high_busbw)
+        )
         _check_layer_wise(layout, specs, dp, high_busbw)
-        if policy != "size_matching":  # size_matching puts tied embeddings first and pulls peers forward
+        if (
+            policy != "size_matching"
+        ):  # size_matching puts tied embeddings first and pulls peers forward
             _check_backprop_bucket_order(layout, specs)
-        again = compute_layout(specs, dp, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw)
+        again = compute_layout(
+            specs, dp, LayoutConfig(policy=policy, bucket_size=bucket_size, high_busbw=high_busbw)
+        )
         assert again == layout and hash(again) == hash(layout), "not deterministic"
 
 
 @PROPERTY_SETTINGS
 @given(specs=models(), dp=_dp, bucket_size=_bucket_size, high_busbw=st.booleans())
 def test_compute_distributed_optimizer_layout_invariants(specs, dp, bucket_size, high_busbw):
-    layout = compute_distributed_optimizer_layout(specs, dp, bucket_size=bucket_size, high_busbw=high_busbw)
+    layout = compute_distributed_optimizer_layout(
+        specs, dp, bucket_size=bucket_size, high_busbw=high_busbw
+    )
     assert not layout.is_layer_wise and layout.num_shards == dp
     _check_buckets(layout, dp, high_busbw)
     _check_params(layout, specs)
@@ -149,17 +159,31 @@ def test_compute_distributed_optimizer_layout_invariants(specs, dp, bucket_size,
         assert last_end - bucket_start <= unpadded <= pad_param_start(last_end) - bucket_start
         if any(by_name[n].is_shared_embedding for n in names):
             assert len(names) == 1, "a tied embedding shares its bucket"
-    assert compute_distributed_optimizer_layout(specs, dp, bucket_size=bucket_size, high_busbw=high_busbw) == layout
+    assert (
+        compute_distributed_optimizer_layout(
+            specs, dp, bucket_size=bucket_size, high_busbw=high_busbw
+        )
+        == layout
+    )
 
 
 @PROPERTY_SETTINGS
 @given(
-    specs=models(with_experts=True), dp=_dp, expert_dp=st.one_of(st.none(), _dp),
-    bucket_size=_bucket_size, high_busbw=st.booleans(), policy=st.sampled_from(POLICIES),
+    specs=models(with_experts=True),
+    dp=_dp,
+    expert_dp=st.one_of(st.none(), _dp),
+    bucket_size=_bucket_size,
+    high_busbw=st.booleans(),
+    policy=st.sampled_from(POLICIES),
 )
-def test_compute_full_param_layout_groups_and_invariants(specs, dp, expert_dp, bucket_size, high_busbw, policy):
+def test_compute_full_param_layout_groups_and_invariants(
+    specs, dp, expert_dp, bucket_size, high_busbw, policy
+):
     full = compute_full_param_layout(
-        specs, dp, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw, expert_dp=expert_dp
+        specs,
+        dp,
+        LayoutConfig(policy=policy, bucket_size=bucket_size, high_busbw=high_busbw),
+        expert_dp=expert_dp,
     )
     seen = []
     for key, layout in full.layouts.items():
@@ -184,13 +208,25 @@ def test_compute_full_param_layout_groups_and_invariants(specs, dp, expert_dp, b
 
 
 @PROPERTY_SETTINGS
-@given(specs=models(), dp=_dp, bucket_size=_bucket_size, high_busbw=st.booleans(),
-       layer_wise=st.booleans(), policy=st.sampled_from(POLICIES))
-def test_summarize_buffer_conserves_elements_and_flops(specs, dp, bucket_size, high_busbw, layer_wise, policy):
+@given(
+    specs=models(),
+    dp=_dp,
+    bucket_size=_bucket_size,
+    high_busbw=st.booleans(),
+    layer_wise=st.booleans(),
+    policy=st.sampled_from(POLICIES),
+)
+def test_summarize_buffer_conserves_elements_and_flops(
+    specs, dp, bucket_size, high_busbw, layer_wise, policy
+):
     if layer_wise:
-        layout = compute_layout(specs, dp, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw)
+        layout = compute_layout(
+            specs, dp, LayoutConfig(policy=policy, bucket_size=bucket_size, high_busbw=high_busbw)
+        )
     else:
-        layout = compute_distributed_optimizer_layout(specs, dp, bucket_size=bucket_size, high_busbw=high_busbw)
+        layout = compute_distributed_optimizer_layout(
+            specs, dp, bucket_size=bucket_size, high_busbw=high_busbw
+        )
     summary = summarize_buffer(layout, specs)
     assert summary.real_numel == sum(s.numel for s in specs)
     assert summary.numel == layout.numel
@@ -204,7 +240,9 @@ def test_summarize_buffer_conserves_elements_and_flops(specs, dp, bucket_size, h
             assert ratio is None or 1 - 1e-12 <= ratio <= dp + 1e-12
     flops = sum(ns_flops(s.shape) for s in specs if s.is_muon) if layer_wise else 0
     assert summary.ns_flops == flops
-    assert summary.padding_pct == pytest.approx(100 * (layout.numel - summary.real_numel) / summary.real_numel)
+    assert summary.padding_pct == pytest.approx(
+        100 * (layout.numel - summary.real_numel) / summary.real_numel
+    )
 
 
 def test_ns_flops_formula():
@@ -212,13 +250,26 @@ def test_ns_flops_formula():
     assert ns_flops((8, 4)) == ns_flops((4, 8)) == 5 * ns_flops((4, 8), 1)
     assert ns_flops((16,)) == 0 and ns_flops((2, 3, 4)) == 0
     # QKV split: rows (outputs) in groups of q/k/v blocks, each orthogonalised on its own.
-    assert ns_flops((4096, 64), 5, (1024, 512, 512)) == sum(ns_flops((2 * r, 64)) for r in (1024, 512, 512))
+    assert ns_flops((4096, 64), 5, (1024, 512, 512)) == sum(
+        ns_flops((2 * r, 64)) for r in (1024, 512, 512)
+    )
     with pytest.raises(ValueError, match="do not divide"):
         ns_flops((3000, 64), 5, (1024, 512, 512))
-    # A kernel computing a share of the two symmetric products (X X^T and A^2); the update product is whole.
-    half = ns_flops((8, 4), 1, symmetric_share=lambda s, l: 0.5 if (s, l) == (4, 8) else 1.0)
+    # A kernel computing a share of the two symmetric products (X X^T and A^2); the update
+    # product is whole.
+    half = ns_flops(
+        (8, 4), 1, symmetric_share=lambda small, large: 0.5 if (small, large) == (4, 8) else 1.0
+    )
     assert half == (2 * 4 * 4 * 8 + 2 * 4**3) // 2 + 2 * 4 * 4 * 8
-    assert ns_flops((4096, 64), 5, (1024, 512, 512), symmetric_share=lambda s, l: 0.5 if l == 2048 else 1.0) == sum(
-        ns_flops((2 * r, 64), symmetric_share=lambda s, l: 0.5 if l == 2048 else 1.0) for r in (1024, 512, 512))
-    assert ns_flops((4096, 64), 5, (1024, 512, 512), symmetric_share=lambda s, l: 0.5) < ns_flops(
-        (4096, 64), 5, (1024, 512, 512))
+    assert ns_flops(
+        (4096, 64),
+        5,
+        (1024, 512, 512),
+        symmetric_share=lambda small, large: 0.5 if large == 2048 else 1.0,
+    ) == sum(
+        ns_flops((2 * r, 64), symmetric_share=lambda small, large: 0.5 if large == 2048 else 1.0)
+        for r in (1024, 512, 512)
+    )
+    assert ns_flops(
+        (4096, 64), 5, (1024, 512, 512), symmetric_share=lambda small, large: 0.5
+    ) < ns_flops((4096, 64), 5, (1024, 512, 512))

@@ -1,4 +1,5 @@
-"""Megatron checkpoints into lwjax and back: exact imports, layouts, the GPT forward, training, export, CLI."""
+"""Megatron checkpoints into lwjax and back: exact imports, layouts, the GPT forward,
+training, export, CLI."""
 
 import functools
 import json
@@ -12,8 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 from lwjax import checkpoint
-from lwjax.optimizer import to_logical
-from lwjax.cli import main
+from lwjax.logical import to_logical
 from lwjax.megatron import (
     ConvertConfig,
     GPTConfig,
@@ -27,6 +27,7 @@ from lwjax.megatron import (
 from lwjax.megatron import names as names_lib
 from lwjax.megatron import state as state_lib
 from lwjax.megatron.gpt import split_qkv, tree_from_keys
+from lwjax.tools.cli import main
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
@@ -40,13 +41,20 @@ def _info(name):
 def _model_args(name):
     """GPT shape from fixture_info (legacy files' args do not record the heads)."""
     model = _info(name)["model"]
-    return {"num_attention_heads": model["num_attention_heads"], "num_query_groups": model["num_query_groups"]}
+    return {
+        "num_attention_heads": model["num_attention_heads"],
+        "num_query_groups": model["num_query_groups"],
+    }
 
 
 def _expected(state, entry):
     kind, key = entry.split("/", 1)
     stacked, layer = names_lib.stacked_key(key)
-    table = {"model_bf16bits": state.model, "master": state.masters, "muon_momentum": state.momentum}[kind]
+    table = {
+        "model_bf16bits": state.model,
+        "master": state.masters,
+        "muon_momentum": state.momentum,
+    }[kind]
     got = table[stacked] if layer is None else table[stacked][layer]
     return got.view(np.uint16) if kind == "model_bf16bits" else got
 
@@ -72,10 +80,18 @@ def test_every_fixture_imports_exactly(name):
     assert state.hyperparameters["adam"]["lr"] == info["train"]["lr"]
 
 
-@pytest.mark.parametrize("flat,reference", [("adam_ws1", "adam_ws1_fully_reshardable"), ("adam_ws2", "adam_ws1"),
-                                            ("legacy_adam", "adam_ws1"), ("muonL_ws2", "legacy_muon")])
+@pytest.mark.parametrize(
+    "flat,reference",
+    [
+        ("adam_ws1", "adam_ws1_fully_reshardable"),
+        ("adam_ws2", "adam_ws1"),
+        ("legacy_adam", "adam_ws1"),
+        ("muonL_ws2", "legacy_muon"),
+    ],
+)
 def test_flat_buffer_layout_rederived_exactly(flat, reference):
-    """Unflattened DistributedOptimizer buffers equal the same run's per-parameter state, bit for bit."""
+    """Unflattened DistributedOptimizer buffers equal the same run's per-parameter
+    state, bit for bit."""
     a, b = read_megatron(FIXTURES / flat), read_megatron(FIXTURES / reference)
     for kind in KINDS:
         x, y = getattr(a, kind), getattr(b, kind)
@@ -88,15 +104,20 @@ def test_flat_buffer_layer_spec_is_chosen_by_the_masters(monkeypatch):
     assert read_megatron(FIXTURES / "adam_ws1").source["layer_spec"] == "local"
     all_orders = state_lib._flat_orders
     monkeypatch.setattr(state_lib, "_flat_orders", lambda model: {"te": all_orders(model)["te"]})
-    with pytest.raises(ValueError, match="cannot re-derive the DistributedOptimizer flat-buffer layout; te order: "
-                                         "masters do not round to the model weights"):
+    with pytest.raises(
+        ValueError,
+        match="cannot re-derive the DistributedOptimizer flat-buffer layout; te order: "
+        "masters do not round to the model weights",
+    ):
         read_megatron(FIXTURES / "adam_ws1")
 
 
 def test_legacy_layer_wise_ids_are_named_as_megatron_numbers_them():
     info = _info("legacy_muon")
     names = [(p["name"], tuple(p["shape"])) for p in info["params_forward_order"]]
-    children = state_lib.load_torch_file(FIXTURES / "legacy_muon/iter_0000002/mp_rank_00/layer_wise_optimizer_0.pt")
+    children = state_lib.load_torch_file(
+        FIXTURES / "legacy_muon/iter_0000002/mp_rank_00/layer_wise_optimizer_0.pt"
+    )
     pools = state_lib._child_pools(children, names)
     assert pools == [child["groups"] for child in info["rank0_children"]]
 
@@ -104,11 +125,14 @@ def test_legacy_layer_wise_ids_are_named_as_megatron_numbers_them():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_shards_merge_back(tp):
     rng = np.random.default_rng(tp)
-    shapes = {"decoder.layers.0.self_attention.linear_qkv.weight": (128, 64),
-              "decoder.layers.0.mlp.linear_fc1.weight": (256, 64),
-              "decoder.layers.0.mlp.linear_fc2.weight": (64, 128),
-              "decoder.layers.0.self_attention.linear_proj.weight": (64, 64),
-              "output_layer.weight": (128, 64), "decoder.layers.0.input_layernorm.weight": (64,)}
+    shapes = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": (128, 64),
+        "decoder.layers.0.mlp.linear_fc1.weight": (256, 64),
+        "decoder.layers.0.mlp.linear_fc2.weight": (64, 128),
+        "decoder.layers.0.self_attention.linear_proj.weight": (64, 64),
+        "output_layer.weight": (128, 64),
+        "decoder.layers.0.input_layernorm.weight": (64,),
+    }
     for name, shape in shapes.items():
         full = rng.standard_normal(shape).astype(np.float32)
         pieces = [names_lib.tp_shard(name, full, tp, r) for r in range(tp)]
@@ -116,24 +140,38 @@ def test_tensor_parallel_shards_merge_back(tp):
         np.testing.assert_array_equal(names_lib.tp_merge(name, pieces), full)
     fc1 = np.arange(8 * 2).reshape(8, 2)  # [gate rows 0..3; up rows 4..7]
     assert names_lib.tp_shard("mlp.linear_fc1.weight", fc1, 2, 1)[:, 0].tolist() == [4, 6, 12, 14]
-    with pytest.raises(ValueError, match="replicated parameter differs between tensor-parallel ranks 0 and 1"):
+    with pytest.raises(
+        ValueError, match="replicated parameter differs between tensor-parallel ranks 0 and 1"
+    ):
         names_lib.tp_merge("decoder.final_layernorm.weight", [np.zeros(4), np.ones(4)])
 
 
 def test_names_map_between_layer_names_and_stacked_keys():
     for spec in names_lib.LAYER_SPECS:
-        for key, layer in [("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3),
-                           ("decoder.layers.mlp.linear_fc1.weight", 0), ("output_layer.weight", None)]:
+        for key, layer in [
+            ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3),
+            ("decoder.layers.mlp.linear_fc1.weight", 0),
+            ("output_layer.weight", None),
+        ]:
             assert names_lib.stacked_key(names_lib.layer_name(key, layer, spec)) == (key, layer)
-    assert names_lib.layer_name("decoder.layers.mlp.linear_fc1.layer_norm_weight", 1, "local") == \
-        "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert (
+        names_lib.layer_name("decoder.layers.mlp.linear_fc1.layer_norm_weight", 1, "local")
+        == "decoder.layers.1.pre_mlp_layernorm.weight"
+    )
     with pytest.raises(ValueError, match="decoder.layers.mlp.router.weight: no known place"):
         names_lib.definition_order(["decoder.layers.mlp.router.weight"], 2, "local")
 
 
 def test_qkv_rows_are_grouped_per_query_group():
-    config = GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=4,
-                       vocab_size=16, kv_channels=2)
+    config = GPTConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=4,
+        vocab_size=16,
+        kv_channels=2,
+    )
     rows = np.arange((4 + 2 * 2) * 2)[:, None] * np.ones((1, 8))  # row index in every column
     q, k, v = split_qkv(rows, config)
     # group g = [q heads 2g, 2g+1 (2 rows each), k_g, v_g]: 8 rows per group
@@ -145,13 +183,26 @@ def test_qkv_rows_are_grouped_per_query_group():
 def test_import_gives_a_training_state_that_continues_training():
     state = read_megatron(FIXTURES / "muonL_ws2")
     imported = megatron_to_logical(state)
-    assert imported.config == GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                                        ffn_hidden_size=128, vocab_size=128)
-    assert imported.muon and int(imported.logical.count) == 2 and int(imported.logical.elementwise.count) == 2
+    assert imported.config == GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=128,
+    )
+    assert (
+        imported.muon
+        and int(imported.logical.count) == 2
+        and int(imported.logical.elementwise.count) == 2
+    )
     opt = imported.optimizer(Mesh(np.array(jax.devices()[:2]), ("dp",)))
-    assert sorted(r.path for r in opt.plan.routes if r.is_muon) == sorted(k.replace(".", "/") for k in state.momentum)
-    assert opt.plan.routes[[r.path for r in opt.plan.routes].index(
-        "decoder/layers/self_attention/linear_qkv/weight")].qkv_split_shapes == (32, 16, 16)
+    assert sorted(r.path for r in opt.plan.routes if r.is_muon) == sorted(
+        k.replace(".", "/") for k in state.momentum
+    )
+    assert opt.plan.routes[
+        [r.path for r in opt.plan.routes].index("decoder/layers/self_attention/linear_qkv/weight")
+    ].qkv_split_shapes == (32, 16, 16)
     params, opt_state = imported.state(opt)
     for x, y in zip(jax.tree.leaves(to_logical(opt, opt_state)), jax.tree.leaves(imported.logical)):
         assert np.asarray(x).dtype == y.dtype and np.asarray(x).tobytes() == y.tobytes()
@@ -178,8 +229,10 @@ def test_megatron_to_lwjax_checkpoint_restores_with_the_standard_restore(tmp_pat
     imported = megatron_to_logical(read_megatron(FIXTURES / "muonL_tp2"))
     opt = imported.optimizer(Mesh(np.array(jax.devices()[:4]), ("dp",)))
     params, state = checkpoint.restore(tmp_path / "lw", opt)
-    for x, y in zip(jax.tree.leaves((params, to_logical(opt, state))),
-                    jax.tree.leaves((imported.params, imported.logical))):
+    for x, y in zip(
+        jax.tree.leaves((params, to_logical(opt, state))),
+        jax.tree.leaves((imported.params, imported.logical)),
+    ):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
     record = checkpoint.read_record(tmp_path / "lw")
     assert record["metadata"]["megatron"]["source"]["tp"] == 2
@@ -194,8 +247,11 @@ def test_safetensors_export_holds_global_weights_masters_and_momenta(tmp_path):
     expected = np.load(FIXTURES / "muonL_tp2" / "expected.npz")
     for entry in expected.files:
         kind, key = entry.split("/", 1)
-        name = {"model_bf16bits": key, "master": "optimizer.state.fp32_param." + key,
-                "muon_momentum": "optimizer.state.momentum_buffer." + key}[kind]
+        name = {
+            "model_bf16bits": key,
+            "master": "optimizer.state.fp32_param." + key,
+            "muon_momentum": "optimizer.state.momentum_buffer." + key,
+        }[kind]
         got = tensors[name].view(np.uint16) if kind == "model_bf16bits" else tensors[name]
         assert got.tobytes() == expected[entry].tobytes(), entry
     assert tensors["output_layer.weight"].dtype == ml_dtypes.bfloat16
@@ -207,7 +263,9 @@ def test_safetensors_export_holds_global_weights_masters_and_momenta(tmp_path):
 def test_logical_round_trips_through_megatron_state():
     state = read_megatron(FIXTURES / "legacy_muon")
     imported = megatron_to_logical(state, **_model_args("legacy_muon"))
-    back = logical_to_megatron(imported.params, imported.logical, hyperparameters=imported.hyperparameters)
+    back = logical_to_megatron(
+        imported.params, imported.logical, hyperparameters=imported.hyperparameters
+    )
     for kind in KINDS:
         x, y = getattr(state, kind), getattr(back, kind)
         assert set(x) == set(y) and all(x[k].tobytes() == y[k].tobytes() for k in x), kind
@@ -221,23 +279,43 @@ def test_tied_embeddings_route_to_adam_and_export_without_an_output_layer(tmp_pa
 
     from lwjax.optimizer import OptimizerConfig, layerwise_muon
 
-    config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32,
-                       vocab_size=64, tied_embeddings=True)
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=32,
+        vocab_size=64,
+        tied_embeddings=True,
+    )
     rng = np.random.default_rng(0)
     shapes = config.param_shapes()
     assert "output_layer.weight" not in shapes
-    params = tree_from_keys({k: (0.02 * rng.standard_normal(s)).astype(ml_dtypes.bfloat16) for k, s in shapes.items()})
-    opt = layerwise_muon(params, Mesh(np.array(jax.devices()[:2]), ("dp",)),
-                         config=OptimizerConfig(matrix_convention="out_in"), **config.optimizer_options())
+    params = tree_from_keys(
+        {k: (0.02 * rng.standard_normal(s)).astype(ml_dtypes.bfloat16) for k, s in shapes.items()}
+    )
+    opt = layerwise_muon(
+        params,
+        Mesh(np.array(jax.devices()[:2]), ("dp",)),
+        config=OptimizerConfig(matrix_convention="out_in"),
+        routing=config.routing_rules(),
+    )
     routes = {r.path: r for r in opt.plan.routes}
     embedding = routes["embedding/word_embeddings/weight"]
     assert embedding.is_shared_embedding and not embedding.is_muon
     logical = to_logical(opt, opt.init(params))
     exported = logical_to_megatron(params, logical, iteration=5)
-    assert GPTConfig.from_megatron({k: v.shape for k, v in exported.model.items()},
-                                   {"num_attention_heads": 4, "num_query_groups": 2}) == config
+    assert (
+        GPTConfig.from_megatron(
+            {k: v.shape for k, v in exported.model.items()},
+            {"num_attention_heads": 4, "num_query_groups": 2},
+        )
+        == config
+    )
     save_safetensors(exported, tmp_path / "tied.safetensors")
-    assert not any(k.endswith("output_layer.weight") for k in load_file(str(tmp_path / "tied.safetensors")))
+    assert not any(
+        k.endswith("output_layer.weight") for k in load_file(str(tmp_path / "tied.safetensors"))
+    )
     tokens = rng.integers(0, 64, (2, 8)).astype(np.int32)
     assert np.isfinite(float(gpt_loss(params, (tokens, tokens), config)))
 
@@ -245,14 +323,31 @@ def test_tied_embeddings_route_to_adam_and_export_without_an_output_layer(tmp_pa
 def test_cli_convert_prints_a_summary_and_reports_errors(tmp_path, capsys):
     assert main(["convert", str(FIXTURES / "adam_ws2"), str(tmp_path / "w.safetensors")]) == 0
     out = capsys.readouterr().out
-    assert "(megatron) ->" in out and "decoder.layers.mlp.linear_fc1.weight" in out and "9 parameters" in out
+    assert (
+        "(megatron) ->" in out
+        and "decoder.layers.mlp.linear_fc1.weight" in out
+        and "9 parameters" in out
+    )
     assert "optimizer_sharding dp_reshardable" in out
     assert main(["convert", str(FIXTURES / "adam_ws2"), str(tmp_path / "w.safetensors")]) == 2
     assert "lwjax convert:" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
-    assert main(["convert", str(FIXTURES / "legacy_adam"), str(tmp_path / "lw"), "--json",
-                 "--num-attention-heads", "4", "--num-query-groups", "2"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(FIXTURES / "legacy_adam"),
+                str(tmp_path / "lw"),
+                "--json",
+                "--num-attention-heads",
+                "4",
+                "--num-query-groups",
+                "2",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out)
     assert record["target"] == "lwjax" and len(record["params"]) == 9
 
@@ -266,21 +361,29 @@ def _batches(info):
     generator = torch.Generator().manual_seed(info["args"]["data_seed"])
     out = []
     for _ in range(info["train"]["steps"]):
-        tokens = torch.randint(0, info["args"]["vocab"], (info["args"]["batch"], info["args"]["seq"]),
-                               generator=generator)
+        tokens = torch.randint(
+            0,
+            info["args"]["vocab"],
+            (info["args"]["batch"], info["args"]["seq"]),
+            generator=generator,
+        )
         out.append((tokens.numpy(), torch.roll(tokens, -1, dims=1).numpy()))
     return out
 
 
 def _orthogonalized(momentum, key, config, tp):
-    """Megatron's Muon direction (spectral scale; blockwise over TP shards, as muon_tp_mode='blockwise')."""
+    """Megatron's Muon direction (spectral scale; blockwise over TP shards, as
+    muon_tp_mode='blockwise')."""
     from lwjax import muon as muon_lib
 
     split = config.qkv_split_shapes if "linear_qkv" in key else None
     layers = []
     for m in momentum:
         shards = [names_lib.tp_shard(key, m, tp, r) for r in range(tp)]
-        done = [np.asarray(muon_lib.orthogonalize(jnp.asarray(s), qkv_split_shapes=split)) for s in shards]
+        done = [
+            np.asarray(muon_lib.orthogonalize(jnp.asarray(s), qkv_split_shapes=split))
+            for s in shards
+        ]
         layers.append(names_lib.tp_merge(key, done))
     return np.stack(layers)
 
@@ -294,29 +397,40 @@ def _previous_weights(state, config, tp):
         per_param_dims = w.ndim - names_lib.is_layer_key(key)
         if key in state.momentum:
             lr, wd = muon["lr"], muon["weight_decay"]
-            previous[key] = (w + lr * _orthogonalized(state.momentum[key], key, config, tp)) / (1 - lr * wd)
+            previous[key] = (w + lr * _orthogonalized(state.momentum[key], key, config, tp)) / (
+                1 - lr * wd
+            )
         else:
             lr, wd = adam["lr"], adam["weight_decay"] if per_param_dims >= 2 else 0.0
             m, v = state.exp_avg[key].astype(np.float64), state.exp_avg_sq[key].astype(np.float64)
             step = lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
             previous[key] = (w + step) / (1 - lr * wd)
-    return {k: jnp.asarray(np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)) for k, v in previous.items()}
+    return {
+        k: jnp.asarray(np.asarray(v, np.float32).astype(ml_dtypes.bfloat16))
+        for k, v in previous.items()
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_imported_state_reproduces_the_recorded_loss(name):
-    """The loss Megatron logged for its last step, from the imported weights with that step undone."""
+    """The loss Megatron logged for its last step, from the imported weights with that
+    step undone."""
     pytest.importorskip("torch")
     info = _info(name)
     imported = megatron_to_logical(read_megatron(FIXTURES / name), **_model_args(name))
     state = read_megatron(FIXTURES / name)
     batch = _batches(info)[-1]
     previous = _previous_weights(state, imported.config, info["args"]["tp"])
-    loss = float(jax.jit(gpt_loss, static_argnums=2)(tree_from_keys(previous), batch, imported.config))
+    loss = float(
+        jax.jit(gpt_loss, static_argnums=2)(tree_from_keys(previous), batch, imported.config)
+    )
     assert abs(loss - info["losses"][-1]) < 5e-4, (loss, info["losses"])
     # The checkpoint's own weights were trained on that batch: their loss is far lower.
     current = tree_from_keys({k: jnp.asarray(v) for k, v in state.model.items()})
-    assert float(jax.jit(gpt_loss, static_argnums=2)(current, batch, imported.config)) < info["losses"][-1] - 0.05
+    assert (
+        float(jax.jit(gpt_loss, static_argnums=2)(current, batch, imported.config))
+        < info["losses"][-1] - 0.05
+    )
 
 
 def test_recorded_loss_detects_wrong_layouts():
@@ -328,7 +442,10 @@ def test_recorded_loss_detects_wrong_layouts():
     previous = _previous_weights(state, config, 1)
     batch = _batches(info)[-1]
     loss = jax.jit(gpt_loss, static_argnums=2)
-    qkv, fc1 = "decoder.layers.self_attention.linear_qkv.weight", "decoder.layers.mlp.linear_fc1.weight"
+    qkv, fc1 = (
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "decoder.layers.mlp.linear_fc1.weight",
+    )
     ungrouped = dict(previous, **{qkv: jnp.concatenate(split_qkv(previous[qkv], config), axis=1)})
     swapped = dict(previous, **{fc1: jnp.roll(previous[fc1], config.ffn_hidden_size, axis=1)})
     for wrong in (ungrouped, swapped):
@@ -348,26 +465,49 @@ def test_torch_dist_export_reads_back_identically_with_torch(tmp_path):
     original = read_megatron(FIXTURES / "muonL_ws2")
     reader = FileSystemReader(str(iteration_dir))
     metadata = reader.read_metadata()
-    wanted = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-              if hasattr(m, "size")}
+    wanted = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if hasattr(m, "size")
+    }
     dcp.load(wanted, storage_reader=reader, no_dist=True)
     muon = original.momentum
     expected = {**original.model}
-    expected.update({"optimizer.state.fp32_param." + k: v for k, v in original.masters.items() if k in muon})
+    expected.update(
+        {"optimizer.state.fp32_param." + k: v for k, v in original.masters.items() if k in muon}
+    )
     expected.update({"optimizer.state.momentum_buffer." + k: v for k, v in muon.items()})
-    for kind, table in (("param", original.masters), ("exp_avg", original.exp_avg),
-                        ("exp_avg_sq", original.exp_avg_sq)):
-        expected.update({f"optimizer.state.{kind}.{k}": v for k, v in table.items() if k not in muon})
+    for kind, table in (
+        ("param", original.masters),
+        ("exp_avg", original.exp_avg),
+        ("exp_avg_sq", original.exp_avg_sq),
+    ):
+        expected.update(
+            {f"optimizer.state.{kind}.{k}": v for k, v in table.items() if k not in muon}
+        )
     assert set(wanted) == set(expected)
     for key, tensor in wanted.items():
         want = expected[key]
-        got = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if tensor.dtype == torch.bfloat16 \
+        got = (
+            tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+            if tensor.dtype == torch.bfloat16
             else tensor.numpy()
+        )
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), key
     again = read_megatron(tmp_path / "megatron", reader="torch")
-    convert(ConvertConfig(str(FIXTURES / "legacy_muon"), str(tmp_path / "from_legacy"), to="torch_dist",
-                          num_attention_heads=4, num_query_groups=2))
-    legacy, per_param = read_megatron(FIXTURES / "legacy_muon"), read_megatron(tmp_path / "from_legacy")
+    convert(
+        ConvertConfig(
+            str(FIXTURES / "legacy_muon"),
+            str(tmp_path / "from_legacy"),
+            to="torch_dist",
+            num_attention_heads=4,
+            num_query_groups=2,
+        )
+    )
+    legacy, per_param = (
+        read_megatron(FIXTURES / "legacy_muon"),
+        read_megatron(tmp_path / "from_legacy"),
+    )
     for kind in KINDS:
         x, y = getattr(legacy, kind), getattr(per_param, kind)
         assert set(x) == set(y) and all(x[k].tobytes() == y[k].tobytes() for k in x), kind

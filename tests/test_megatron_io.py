@@ -1,4 +1,5 @@
-"""Reading Megatron files: the torch-free reader, its restricted unpickler, and agreement with torch."""
+"""Reading Megatron files: the torch-free reader, its restricted unpickler, and
+agreement with torch."""
 
 import io
 import os
@@ -45,8 +46,16 @@ def assert_same(a, b, where="root"):
 
 
 def test_fixtures_are_all_present():
-    assert NAMES == ["adam_ws1", "adam_ws1_fully_reshardable", "adam_ws2", "legacy_adam", "legacy_muon",
-                     "muonL_tp2", "muonL_ws1", "muonL_ws2"]
+    assert NAMES == [
+        "adam_ws1",
+        "adam_ws1_fully_reshardable",
+        "adam_ws2",
+        "legacy_adam",
+        "legacy_muon",
+        "muonL_tp2",
+        "muonL_ws1",
+        "muonL_ws2",
+    ]
 
 
 def test_dcp_index_merges_chunks_from_every_rank_file():
@@ -56,7 +65,9 @@ def test_dcp_index_merges_chunks_from_every_rank_file():
     assert {c.file for c in fc1.chunks} == {"__0_0.distcp", "__1_0.distcp"}
     assert len(fc1.chunks) == 8  # 2 layers x TP 2 x [gate; up]
     assert "common_state/shard_0_1" in index.objects
-    data = load_dcp(index.directory, keys=["decoder.layers.mlp.linear_fc1.weight", "common_state/shard_0_1"])
+    data = load_dcp(
+        index.directory, keys=["decoder.layers.mlp.linear_fc1.weight", "common_state/shard_0_1"]
+    )
     assert data["decoder.layers.mlp.linear_fc1.weight"].shape == (2, 256, 64)
     assert data["common_state/shard_0_1"]["iteration"] == 2
     assert vars(data["common_state/shard_0_1"]["args"])["num_query_groups"] == 2
@@ -76,8 +87,12 @@ print("read", "torch" in sys.modules and sys.modules["torch"] is None)
 
 
 def test_numpy_reader_reads_every_fixture_without_torch_or_jax():
-    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, str(FIXTURES)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, str(FIXTURES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "read True"
 
@@ -97,7 +112,10 @@ def _torch_style_archive(payload: bytes, name="archive") -> bytes:
 
 def test_restricted_unpickler_refuses_code_and_keeps_unknown_megatron_classes_inert():
     evil = pickle.dumps(_Evil())
-    with pytest.raises(ValueError, match=r"refusing to unpickle global posix\.system|refusing to unpickle global os"):
+    with pytest.raises(
+        ValueError,
+        match=r"refusing to unpickle global posix\.system|refusing to unpickle global os",
+    ):
         loads(evil, where="evil.pkl")
     with pytest.raises(ValueError, match="evil.pt: cannot unpickle: .*refusing"):
         load_torch_archive(_torch_style_archive(evil), where="evil.pt")
@@ -139,7 +157,9 @@ def test_damaged_files_name_the_file_and_key(tmp_path):
 def test_checkpoint_locations_and_errors(tmp_path):
     assert read_megatron(FIXTURES / "muonL_ws1" / "iter_0000002").iteration == 2
     assert read_megatron(FIXTURES / "muonL_ws1", iteration=2).iteration == 2
-    with pytest.raises(ValueError, match=r"no iteration 7 \(iter_0000007\); found \['iter_0000002'\]"):
+    with pytest.raises(
+        ValueError, match=r"no iteration 7 \(iter_0000007\); found \['iter_0000002'\]"
+    ):
         read_megatron(FIXTURES / "muonL_ws1", iteration=7)
     with pytest.raises(ValueError, match="not a Megatron checkpoint"):
         read_megatron(tmp_path)

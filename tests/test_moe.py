@@ -1,4 +1,5 @@
-"""Expert parallelism: an MoE model at dp x ep against an unsharded reference; broadcast param sync."""
+"""Expert parallelism: an MoE model at dp x ep against an unsharded reference;
+broadcast param sync."""
 
 import functools
 
@@ -10,18 +11,21 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-
-from lwjax.muon import MuonConfig
-from lwjax.optimizer import OptimizerConfig, from_logical, layerwise_muon, to_logical
-from lwjax.train import make_train_step
 from reference import reference_train
+
+from lwjax import LayoutConfig, RoutingRules
+from lwjax.logical import from_logical, to_logical
+from lwjax.muon import MuonConfig
+from lwjax.optimizer import OptimizerConfig, layerwise_muon
+from lwjax.train import make_train_step
 
 MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2)
 CONFIG = OptimizerConfig(weight_decay=0.1, clip_grad=1.0)
 LR = 0.02
-# Sharded and unsharded gradients differ by summation order (~4e-9 here). Adam's direction g / (|g| + eps)
-# has slope ~1/eps where |g| ~ eps, and expert biases get such gradients (1e-7, 1e-4, ...): a larger eps keeps
-# that noise below the 1e-5 tolerance without changing what is compared.
+# Sharded and unsharded gradients differ by summation order (~4e-9 here). Adam's direction
+# g / (|g| + eps) has slope ~1/eps where |g| ~ eps, and expert biases get such gradients
+# (1e-7, 1e-4, ...): a larger eps keeps that noise below the 1e-5 tolerance without changing
+# what is compared.
 ADAM = (0.9, 0.999, 1e-3)
 EXPERTS, TOP_K, VOCAB, D, FF = 8, 2, 32, 8, 16
 ROUTING = {"expert": ["*/experts/*"]}  # [E, ...] leaves: one parameter per expert
@@ -30,13 +34,21 @@ ROUTING = {"expert": ["*/experts/*"]}  # [E, ...] leaves: one parameter per expe
 def moe_params(seed=0, layers=2):
     rng = np.random.default_rng(seed)
     w = lambda *s, fan: jnp.asarray(rng.standard_normal(s) / np.sqrt(fan), jnp.float32)  # noqa: E731
-    params = {"embed": {"embedding": w(VOCAB, D, fan=1)}, "head": {"kernel": w(D, VOCAB, fan=D)},
-              "norm": {"scale": jnp.ones(D)}}
+    params = {
+        "embed": {"embedding": w(VOCAB, D, fan=1)},
+        "head": {"kernel": w(D, VOCAB, fan=D)},
+        "norm": {"scale": jnp.ones(D)},
+    }
     for i in range(layers):
         params[f"layer{i}"] = {
-            "mix": w(D, D, fan=D), "router": w(D, EXPERTS, fan=D), "ln": {"scale": jnp.ones(D)},
-            "experts": {"up": w(EXPERTS, D, FF, fan=D), "down": w(EXPERTS, FF, D, fan=FF),
-                        "b_up": jnp.zeros((EXPERTS, FF))},
+            "mix": w(D, D, fan=D),
+            "router": w(D, EXPERTS, fan=D),
+            "ln": {"scale": jnp.ones(D)},
+            "experts": {
+                "up": w(EXPERTS, D, FF, fan=D),
+                "down": w(EXPERTS, FF, D, fan=FF),
+                "b_up": jnp.zeros((EXPERTS, FF)),
+            },
         }
     return params
 
@@ -46,13 +58,16 @@ def _rms(x):
 
 
 def _moe(h, p, ep_axis):
-    """Top-k MoE. With ``ep_axis``: gather the group's tokens, run the local experts, scatter the sum back."""
+    """Top-k MoE. With ``ep_axis``: gather the group's tokens, run the local experts,
+    scatter the sum back."""
     up, down, bias = p["experts"]["up"], p["experts"]["down"], p["experts"]["b_up"]
     local = up.shape[0]
     h_all = lax.all_gather(h, ep_axis, tiled=True) if ep_axis else h
     first = lax.axis_index(ep_axis) * local if ep_axis else 0
     top, index = lax.top_k(h_all @ p["router"], TOP_K)
-    gates = jnp.sum(jax.nn.one_hot(index, EXPERTS) * jax.nn.softmax(top, axis=-1)[..., None], axis=1)
+    gates = jnp.sum(
+        jax.nn.one_hot(index, EXPERTS) * jax.nn.softmax(top, axis=-1)[..., None], axis=1
+    )
     gates = lax.dynamic_slice_in_dim(gates, first, local, axis=1)
     hidden = jax.nn.gelu(jnp.einsum("nd,edf->enf", h_all, up) + bias[:, None, :])
     out = jnp.einsum("enf,efd,ne->nd", hidden, down, gates)
@@ -72,8 +87,13 @@ def moe_loss(params, batch, ep_axis=None):
 
 def batches(steps=3, tokens=64, seed=3):
     rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB // 2, tokens).astype(np.int32), rng.integers(0, VOCAB, tokens).astype(np.int32))
-            for _ in range(steps)]
+    return [
+        (
+            rng.integers(0, VOCAB // 2, tokens).astype(np.int32),
+            rng.integers(0, VOCAB, tokens).astype(np.int32),
+        )
+        for _ in range(steps)
+    ]
 
 
 def mesh_of(dp, ep):
@@ -83,10 +103,23 @@ def mesh_of(dp, ep):
 @functools.cache
 def trained(dp, ep, param_sync="all_gather", pipeline_muon=False, clip_grad=CONFIG.clip_grad):
     params = moe_params()
-    config = OptimizerConfig(weight_decay=CONFIG.weight_decay, clip_grad=clip_grad, param_sync=param_sync,
-                             pipeline_muon=pipeline_muon)
-    opt = layerwise_muon(params, mesh_of(dp, ep), expert_axis="ep", learning_rate=LR, muon=MUON, config=config,
-                         elementwise=optax.scale_by_adam(*ADAM), bucket_size=1500, **ROUTING)
+    config = OptimizerConfig(
+        weight_decay=CONFIG.weight_decay,
+        clip_grad=clip_grad,
+        param_sync=param_sync,
+        pipeline_muon=pipeline_muon,
+    )
+    opt = layerwise_muon(
+        params,
+        mesh_of(dp, ep),
+        expert_axis="ep",
+        learning_rate=LR,
+        muon=MUON,
+        config=config,
+        elementwise=optax.scale_by_adam(*ADAM),
+        layout=LayoutConfig(bucket_size=1500),
+        routing=RoutingRules(**ROUTING),
+    )
     step = make_train_step(functools.partial(moe_loss, ep_axis="ep"), opt, donate=False)
     state, metrics = opt.init(params), []
     for batch in batches():
@@ -106,15 +139,32 @@ def _assert_close(got, want, what):
 @pytest.mark.parametrize("dp,ep", [(2, 4), (4, 2)], ids=["dp2xep4", "dp4xep2"])
 def test_moe_at_dp_x_ep_matches_unsharded_reference(dp, ep):
     opt, params, state, metrics = trained(dp, ep)
-    ref, stats = reference_train(moe_params(), moe_loss, batches(), opt.plan.routes, lr=LR,
-                                 weight_decay=CONFIG.weight_decay, clip_grad=CONFIG.clip_grad, muon_config=MUON,
-                                 adam=ADAM)
-    # Expert leaves: local experts in the plan, split over ep in the parameters; dense and expert buffers.
+    ref, stats = reference_train(
+        moe_params(),
+        moe_loss,
+        batches(),
+        opt.plan.routes,
+        lr=LR,
+        weight_decay=CONFIG.weight_decay,
+        clip_grad=CONFIG.clip_grad,
+        muon_config=MUON,
+        adam=ADAM,
+    )
+    # Expert leaves: local experts in the plan, split over ep in the parameters; dense and
+    # expert buffers.
     routes = {r.path: r for r in opt.plan.routes}
-    assert routes["layer0/experts/up"].local_shape == (EXPERTS // ep, D, FF) and routes["layer0/experts/up"].is_muon
+    assert (
+        routes["layer0/experts/up"].local_shape == (EXPERTS // ep, D, FF)
+        and routes["layer0/experts/up"].is_muon
+    )
     assert params["layer0"]["experts"]["up"].sharding.spec == P("ep")
     keys = {(b.key.is_expert_parallel, b.key.is_layer_wise): b.dp for b in opt.plan.buffers}
-    assert keys == {(False, True): dp * ep, (False, False): dp * ep, (True, True): dp, (True, False): dp}
+    assert keys == {
+        (False, True): dp * ep,
+        (False, False): dp * ep,
+        (True, True): dp,
+        (True, False): dp,
+    }
     # The state equals the reference's, leaf by leaf (expert leaves with all experts).
     masters, momenta, mu, nu = ref.logical()
     logical = to_logical(opt, state)
@@ -132,7 +182,9 @@ def test_moe_at_dp_x_ep_matches_unsharded_reference(dp, ep):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("clip_grad", [CONFIG.clip_grad, 1e-3], ids=["clip_not_binding", "clip_binding"])
+@pytest.mark.parametrize(
+    "clip_grad", [CONFIG.clip_grad, 1e-3], ids=["clip_not_binding", "clip_binding"]
+)
 def test_pipelined_step_is_the_serial_step_with_experts(clip_grad):
     opt, params, state, metrics = trained(4, 2, pipeline_muon=True, clip_grad=clip_grad)
     _, want_params, want_state, want_metrics = trained(4, 2, clip_grad=clip_grad)
@@ -152,13 +204,20 @@ def test_broadcast_param_sync_is_bitwise_the_all_gather():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_broadcast_keeps_signed_zeros_and_nan_payloads(dtype):
-    from lwjax.sharded_step import _broadcast
+    from lwjax.shards import _broadcast
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     values = np.array([-0.0, 0.0, np.nan, -np.inf, 1.5, -2.25, 3e-8, -0.0], np.float32)
     x = jnp.asarray(values, dtype)
-    out = jax.jit(jax.shard_map(lambda s: _broadcast(s, "dp", lax.axis_index("dp"), 4), mesh=mesh,
-                                in_specs=P("dp"), out_specs=P(), check_vma=False))(x)
+    out = jax.jit(
+        jax.shard_map(
+            lambda s: _broadcast(s, "dp", lax.axis_index("dp"), 4),
+            mesh=mesh,
+            in_specs=P("dp"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(x)
     assert np.asarray(out).tobytes() == np.asarray(x).tobytes()
 
 
@@ -166,16 +225,26 @@ def test_bad_expert_setup_gets_clear_errors():
     params = moe_params(layers=1)
     dense_mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     with pytest.raises(ValueError, match="no expert-parallel axis 'ep'"):
-        layerwise_muon(params, dense_mesh, expert_axis="ep", **ROUTING)
+        layerwise_muon(params, dense_mesh, expert_axis="ep", routing=RoutingRules(**ROUTING))
     with pytest.raises(ValueError, match="expert_axis must differ from axis"):
-        layerwise_muon(params, mesh_of(2, 4), expert_axis="dp", **ROUTING)
-    with pytest.raises(ValueError, match=r"layer0/experts/b_up: 8 experts \(axis 0 of shape=\(8, 16\)\) do not divide by expert_parallel=3"):
-        layerwise_muon(params, mesh_of(2, 3), expert_axis="ep", **ROUTING)
+        layerwise_muon(params, mesh_of(2, 4), expert_axis="dp", routing=RoutingRules(**ROUTING))
+    with pytest.raises(
+        ValueError,
+        match=r"layer0/experts/b_up: 8 experts \(axis 0 of shape=\(8, 16\)\) "
+        r"do not divide by expert_parallel=3",
+    ):
+        layerwise_muon(params, mesh_of(2, 3), expert_axis="ep", routing=RoutingRules(**ROUTING))
     with pytest.raises(ValueError, match="OptimizerConfig.param_sync must be one of"):
         OptimizerConfig(param_sync="ring")
-    # Without an expert axis, expert leaves keep their own buffers, laid out over dp (expert_dp = dp).
-    opt = layerwise_muon(params, dense_mesh, **ROUTING)
+    # Without an expert axis, expert leaves keep their own buffers, laid out over dp
+    # (expert_dp = dp).
+    opt = layerwise_muon(params, dense_mesh, routing=RoutingRules(**ROUTING))
     assert {b.key.is_expert_parallel: b.dp for b in opt.plan.buffers} == {False: 4, True: 4}
-    train_step = make_train_step(moe_loss, layerwise_muon(params, mesh_of(2, 4), expert_axis="ep", **ROUTING))
-    with pytest.raises(ValueError, match=r"leading axis must divide by dp\*ep=8 \(dp=2, ep=4\); got shape \(12,\)"):
+    train_step = make_train_step(
+        moe_loss,
+        layerwise_muon(params, mesh_of(2, 4), expert_axis="ep", routing=RoutingRules(**ROUTING)),
+    )
+    with pytest.raises(
+        ValueError, match=r"leading axis must divide by dp\*ep=8 \(dp=2, ep=4\); got shape \(12,\)"
+    ):
         train_step(params, None, (np.zeros(12, np.int32), np.zeros(12, np.int32)))

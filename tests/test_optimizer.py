@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import reference_run
 
-from lwjax import sharded_step
+from lwjax import LayoutConfig, RoutingRules, shards
+from lwjax.layout import POLICIES
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon
-from lwjax.policies import POLICIES
 from lwjax.schedule import schedule_buckets
 from lwjax.train import make_train_step
-from reference import reference_run
 
 MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2)
 CONFIG = OptimizerConfig(weight_decay=0.1, clip_grad=1.0)
@@ -26,11 +26,19 @@ LR = 0.02
 def toy_params(seed=0, layers=4, d=16, ff=48, vocab=64):
     rng = np.random.default_rng(seed)
     w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32)  # noqa: E731
-    params = {"embed": {"embedding": w(vocab, d)}, "head": {"kernel": w(d, vocab)}, "norm": {"scale": jnp.ones(d)}}
+    params = {
+        "embed": {"embedding": w(vocab, d)},
+        "head": {"kernel": w(d, vocab)},
+        "norm": {"scale": jnp.ones(d)},
+    }
     for i in range(layers):
         params[f"layer{i}"] = {
-            "wq": w(d, d), "wo": w(d, d), "up": w(d, ff), "down": w(ff, d),
-            "ln": {"scale": jnp.ones(d)}, "b_up": jnp.zeros(ff),
+            "wq": w(d, d),
+            "wo": w(d, d),
+            "up": w(d, ff),
+            "down": w(ff, d),
+            "ln": {"scale": jnp.ones(d)},
+            "b_up": jnp.zeros(ff),
         }
     return params
 
@@ -42,17 +50,29 @@ def mesh_of(dp):
 def random_grads(params, dp, steps, seed=1):
     rng = np.random.default_rng(seed)
     return [
-        [jax.tree.map(lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), params) for _ in range(dp)]
+        [
+            jax.tree.map(lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), params)
+            for _ in range(dp)
+        ]
         for _ in range(steps)
     ]
 
 
+def _step_fn(opt):
+    return jax.jit(
+        jax.shard_map(
+            lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p),
+            mesh=opt.mesh,
+            in_specs=(P(), opt.state_specs, P("dp")),
+            out_specs=(P(), opt.state_specs, P()),
+            check_vma=False,
+        )
+    )
+
+
 def run_sharded(opt, params, grads_per_step):
     dp = opt.mesh.shape["dp"]
-    step = jax.jit(jax.shard_map(
-        lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p),
-        mesh=opt.mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=(P(), opt.state_specs, P()),
-        check_vma=False))
+    step = _step_fn(opt)
     state = opt.init(params)
     for device_grads in grads_per_step:
         stacked = jax.tree.map(lambda *g: np.stack(g), *device_grads)
@@ -67,30 +87,43 @@ def run_sharded(opt, params, grads_per_step):
 def test_step_matches_unsharded_reference(policy, dp):
     params = toy_params()
     grads = random_grads(params, dp, steps=5)
-    opt = layerwise_muon(params, mesh_of(dp), learning_rate=LR, muon=MUON, config=CONFIG, policy=policy, bucket_size=2000)
+    opt = layerwise_muon(
+        params,
+        mesh_of(dp),
+        learning_rate=LR,
+        muon=MUON,
+        config=CONFIG,
+        layout=LayoutConfig(policy=policy, bucket_size=2000),
+    )
     got, _, metrics = run_sharded(opt, params, grads)
-    want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=CONFIG.weight_decay,
-                         clip_grad=CONFIG.clip_grad, muon_config=MUON)
-    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(got), jax.tree.leaves(want)):
+    want = reference_run(
+        params,
+        grads,
+        opt.plan.routes,
+        lr=LR,
+        weight_decay=CONFIG.weight_decay,
+        clip_grad=CONFIG.clip_grad,
+        muon_config=MUON,
+    )
+    for path, a, b in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(got), jax.tree.leaves(want)
+    ):
         err = np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b))
         assert err <= 1e-5, (jax.tree_util.keystr(path[0]), err)
     assert not bool(metrics["skipped"])
 
 
-def _step_fn(opt):
-    return jax.jit(jax.shard_map(
-        lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p),
-        mesh=opt.mesh, in_specs=(P(), opt.state_specs, P("dp")), out_specs=(P(), opt.state_specs, P()),
-        check_vma=False))
-
-
 def _stacked(opt, device_grads):
-    return jax.device_put(jax.tree.map(lambda *g: np.stack(g), *device_grads), NamedSharding(opt.mesh, P("dp")))
+    return jax.device_put(
+        jax.tree.map(lambda *g: np.stack(g), *device_grads), NamedSharding(opt.mesh, P("dp"))
+    )
 
 
 def test_step_uses_reduce_scatter_and_all_gather_not_all_reduce():
     params = toy_params()
-    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=CONFIG, bucket_size=2000)
+    opt = layerwise_muon(
+        params, mesh_of(4), muon=MUON, config=CONFIG, layout=LayoutConfig(bucket_size=2000)
+    )
     state = opt.init(params)
     grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
     hlo = _step_fn(opt).lower(params, state, grads).compile().as_text()
@@ -99,8 +132,10 @@ def test_step_uses_reduce_scatter_and_all_gather_not_all_reduce():
     assert {"reduce-scatter", "all-gather"} <= kinds
     for shape, kind in ops:
         if kind == "all-reduce":
-            sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                     for dims in re.findall(r"\[([\d,]*)\]", shape)]
+            sizes = [
+                int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                for dims in re.findall(r"\[([\d,]*)\]", shape)
+            ]
             assert sum(sizes) <= 8, f"all-reduce of {shape} is more than a few scalars"
     gathered = sum(b.numel for b in opt.plan.buffers)
     scattered = [s for s, k in ops if k == "reduce-scatter"]
@@ -147,14 +182,22 @@ def test_nonfinite_grads_skip_the_step_and_keep_state():
 def test_bf16_params_come_back_as_rounded_fp32_masters():
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), toy_params())
     opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=CONFIG)
-    params1, state1, _ = _step_fn(opt)(params, opt.init(params), _stacked(opt, random_grads(params, 4, 1)[0]))
+    params1, state1, _ = _step_fn(opt)(
+        params, opt.init(params), _stacked(opt, random_grads(params, 4, 1)[0])
+    )
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params1))
     from lwjax.buffers import unpack
+
     gathered = [tuple(np.asarray(m) for m in ms) for ms in state1.masters]
     masters = unpack(opt.plan, gathered, dtypes=[np.float32] * len(opt.plan.routes))
     for p, m in zip(jax.tree.leaves(params1), jax.tree.leaves(masters)):
-        np.testing.assert_array_equal(np.asarray(p), np.asarray(jnp.asarray(m).astype(jnp.bfloat16)))
-    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params)))
+        np.testing.assert_array_equal(
+            np.asarray(p), np.asarray(jnp.asarray(m).astype(jnp.bfloat16))
+        )
+    assert any(
+        np.any(np.asarray(a) != np.asarray(b))
+        for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params))
+    )
 
 
 def _mlp_loss(params, batch):
@@ -165,8 +208,11 @@ def _mlp_loss(params, batch):
 
 def _mlp_setup(seed=0):
     rng = np.random.default_rng(seed)
-    params = {"w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32), "b1": jnp.zeros(32),
-              "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, jnp.float32)}
+    params = {
+        "w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32),
+        "b1": jnp.zeros(32),
+        "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, jnp.float32),
+    }
     x = rng.standard_normal((64, 8)).astype(np.float32)
     y = np.sin(x[:, :4]).astype(np.float32)
     return params, (x, y)
@@ -203,22 +249,41 @@ def test_bad_input_gets_clear_errors():
         train_step(params, state, (batch[0][:6], batch[1][:6]))
     bad_grads = {"w1": params["w1"], "b1": params["b1"]}
     with pytest.raises(ValueError, match="update\\(grads\\): the tree does not match"):
-        jax.shard_map(lambda g, s, p: opt.update(g, s, p), mesh=opt.mesh,
-                      in_specs=(P(), opt.state_specs, P()), out_specs=P(), check_vma=False)(bad_grads, state, params)
+        jax.shard_map(
+            lambda g, s, p: opt.update(g, s, p),
+            mesh=opt.mesh,
+            in_specs=(P(), opt.state_specs, P()),
+            out_specs=P(),
+            check_vma=False,
+        )(bad_grads, state, params)
     wrong_shape = {**params, "w2": jnp.zeros((32, 5))}
     with pytest.raises(ValueError, match=r"w2: expected shape \(32, 4\); got \(32, 5\)"):
         opt.init(wrong_shape)
 
 
-@pytest.mark.parametrize("src,dst", [(4, 2), (2, 4), (1, 8), (8, 1)], ids=["4to2", "2to4", "1to8", "8to1"])
+@pytest.mark.parametrize(
+    "src,dst", [(4, 2), (2, 4), (1, 8), (8, 1)], ids=["4to2", "2to4", "1to8", "8to1"]
+)
 def test_logical_state_reshards_and_training_continues_identically(src, dst):
-    from lwjax.optimizer import from_logical, to_logical
+    from lwjax.logical import from_logical, to_logical
 
     params, batch = _mlp_setup()
-    make = lambda dp, policy: layerwise_muon(params, mesh_of(dp), learning_rate=0.05, muon=MUON,  # noqa: E731
-                                             config=CONFIG, policy=policy, bucket_size=300)
+
+    def make(dp, policy):
+        return layerwise_muon(
+            params,
+            mesh_of(dp),
+            learning_rate=0.05,
+            muon=MUON,
+            config=CONFIG,
+            layout=LayoutConfig(policy=policy, bucket_size=300),
+        )
+
     a, b = make(src, "lpt"), make(dst, "size_matching")
-    step_a, step_b = make_train_step(_mlp_loss, a, donate=False), make_train_step(_mlp_loss, b, donate=False)
+    step_a, step_b = (
+        make_train_step(_mlp_loss, a, donate=False),
+        make_train_step(_mlp_loss, b, donate=False),
+    )
     state = a.init(params)
     p = params
     for _ in range(2):
@@ -233,17 +298,21 @@ def test_logical_state_reshards_and_training_continues_identically(src, dst):
     for _ in range(2):
         pa, sa, _ = step_a(pa, sa, batch)
         pb, sb, _ = step_b(pb, sb, batch)
-    for x, y in zip(jax.tree.leaves((pa, to_logical(a, sa))), jax.tree.leaves((pb, to_logical(b, sb)))):
+    for x, y in zip(
+        jax.tree.leaves((pa, to_logical(a, sa))), jax.tree.leaves((pb, to_logical(b, sb)))
+    ):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
 def test_logical_state_of_bf16_params_is_lossless():
-    from lwjax.optimizer import from_logical, to_logical
+    from lwjax.logical import from_logical, to_logical
 
     params, batch = _mlp_setup()
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     opt = layerwise_muon(params, mesh_of(2), learning_rate=0.05, muon=MUON, config=CONFIG)
-    train_step = make_train_step(lambda p, b: _mlp_loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), b), opt)
+    train_step = make_train_step(
+        lambda p, b: _mlp_loss(jax.tree.map(lambda x: x.astype(jnp.float32), p), b), opt
+    )
     state = opt.init(params)
     for _ in range(2):
         params, state, _ = train_step(params, state, batch)
@@ -257,19 +326,29 @@ def test_logical_state_of_bf16_params_is_lossless():
 def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelined):
     params = toy_params(layers=8)
     config = OptimizerConfig(weight_decay=0.1, clip_grad=1.0, pipeline_muon=pipelined)
-    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=config, bucket_size=2000)
+    opt = layerwise_muon(
+        params, mesh_of(4), muon=MUON, config=config, layout=LayoutConfig(bucket_size=2000)
+    )
     state = opt.init(params)
     grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
     text = _step_fn(opt).lower(params, state, grads).as_text()
-    steps = schedule_buckets(opt.plan).steps  # no QKV split here, so the orientation does not matter
-    paired = {j: s.gathered_during for j, s in enumerate(steps)
-              if s.gathered_during is not None and s.gathered_during + 1 < len(steps)}
+    steps = schedule_buckets(
+        opt.plan
+    ).steps  # no QKV split here, so the orientation does not matter
+    paired = {
+        j: s.gathered_during
+        for j, s in enumerate(steps)
+        if s.gathered_during is not None and s.gathered_during + 1 < len(steps)
+    }
     assert paired, "the toy model should give the schedule gathers to pin"
     lines = text.splitlines()
     # All-gathers in program order: one per bucket, in the schedule's order (pipelined too: a
     # recomputation under clipping redoes the directions only).
-    gathers = [(n, re.match(r"\s*(%\S+) = \"?stablehlo\.all_gather", line).group(1))
-               for n, line in enumerate(lines) if re.match(r"\s*%\S+ = \"?stablehlo\.all_gather", line)]
+    gathers = [
+        (n, re.match(r"\s*(%\S+) = \"?stablehlo\.all_gather", line).group(1))
+        for n, line in enumerate(lines)
+        if re.match(r"\s*%\S+ = \"?stablehlo\.all_gather", line)
+    ]
     assert len(gathers) == len(steps)
     landed = {}
     for n, line in enumerate(lines):
@@ -280,15 +359,19 @@ def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelin
                     landed[j] = n
     assert set(landed) == set(paired)
     for j, during in paired.items():
-        # Pinned after the update that hides it (whose own gather comes next) and before the one after.
+        # Pinned after the update that hides it (whose own gather comes next) and before the
+        # one after.
         assert gathers[during][0] < landed[j] < gathers[during + 1][0]
 
 
 def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_recomputation_loop():
-    """Under "medium" a speculative direction waits for its apply as muon_polar's bf16 Q, not as fp32."""
+    """Under "medium" a speculative direction waits for its apply as muon_polar's bf16 Q,
+    not as fp32."""
     params = toy_params()
     config = OptimizerConfig(clip_grad=1.0, pipeline_muon=True)
-    opt = layerwise_muon(params, mesh_of(4), muon=MuonConfig(), config=config, bucket_size=2000)
+    opt = layerwise_muon(
+        params, mesh_of(4), muon=MuonConfig(), config=config, layout=LayoutConfig(bucket_size=2000)
+    )
     grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
     text = _step_fn(opt).lower(params, opt.init(params), grads).as_text()
     loops = [line.split(" : ", 1)[1] for line in text.splitlines() if "stablehlo.while" in line]
@@ -300,27 +383,48 @@ def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_reco
         assert directions and directions == momenta, types
 
 
-def _serial_and_pipelined(params, grads, clip_grad=1.0, muon=MUON, matrix_convention="in_out", **routing):
+def _serial_and_pipelined(
+    params, grads, clip_grad=1.0, muon=MUON, matrix_convention="in_out", **routing
+):
     """The same steps with the serial and the pipelined step."""
     out = []
     for pipelined in (False, True):
-        config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipelined,
-                                 matrix_convention=matrix_convention)
-        opt = layerwise_muon(params, mesh_of(4), learning_rate=LR, muon=muon, config=config, bucket_size=2000,
-                             **routing)
+        config = OptimizerConfig(
+            weight_decay=0.1,
+            clip_grad=clip_grad,
+            pipeline_muon=pipelined,
+            matrix_convention=matrix_convention,
+        )
+        opt = layerwise_muon(
+            params,
+            mesh_of(4),
+            learning_rate=LR,
+            muon=muon,
+            config=config,
+            layout=LayoutConfig(bucket_size=2000),
+            routing=RoutingRules(**routing),
+        )
         out.append((opt, *run_sharded(opt, params, grads)))
     return out
 
 
 def _assert_same_steps(a, b):
-    """The same state and parameters up to rounding: XLA may fuse (and so sum) a reduction differently."""
+    """The same state and parameters up to rounding: XLA may fuse (and so sum) a
+    reduction differently."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6 * np.max(np.abs(x)))
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=0, atol=1e-6 * np.max(np.abs(x))
+        )
 
 
 def _scaled(grads, scale_of):
-    return [[{k: jax.tree.map(lambda g: g * np.float32(scale_of(k)), v) for k, v in d.items()} for d in step]
-            for step in grads]
+    return [
+        [
+            {k: jax.tree.map(lambda g, k=k: g * np.float32(scale_of(k)), v) for k, v in d.items()}
+            for d in step
+        ]
+        for step in grads
+    ]
 
 
 # The toy's mean gradient has norm ~52 at scale 1. Each case: (scale per top-level key, norm groups,
@@ -328,8 +432,16 @@ def _scaled(grads, scale_of):
 SPECULATION_CASES = {
     "clip_not_binding": (lambda k: 1e-3, {}, False),
     "clip_binding": (lambda k: 1.0, {}, True),
-    "only_a_muon_group_clips": (lambda k: 1.0 if k == "layer3" else 1e-3, {"layer3/*": "mtp"}, True),
-    "only_an_elementwise_group_clips": (lambda k: 1.0 if k == "head" else 1e-3, {"head/*": "out"}, False),
+    "only_a_muon_group_clips": (
+        lambda k: 1.0 if k == "layer3" else 1e-3,
+        {"layer3/*": "mtp"},
+        True,
+    ),
+    "only_an_elementwise_group_clips": (
+        lambda k: 1.0 if k == "head" else 1e-3,
+        {"head/*": "out"},
+        False,
+    ),
 }
 
 
@@ -338,44 +450,73 @@ def test_pipelined_step_equals_the_serial_step(case):
     scale_of, norm_groups, recomputed = SPECULATION_CASES[case]
     params = toy_params()
     grads = _scaled(random_grads(params, 4, 3), scale_of)
-    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, grad_norm_group=norm_groups)
+    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(
+        params, grads, grad_norm_group=norm_groups
+    )
     assert bool(m1.pop("recomputed")) == recomputed
-    assert (min(float(v) for k, v in m0.items() if k.startswith("clip_coef")) < 1) == (case != "clip_not_binding")
+    assert (min(float(v) for k, v in m0.items() if k.startswith("clip_coef")) < 1) == (
+        case != "clip_not_binding"
+    )
     _assert_same_steps((p0, s0, m0), (p1, s1, m1))
     if not norm_groups:
-        want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON)
+        want = reference_run(
+            params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON
+        )
         for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
             assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
 
 def test_serial_and_pipelined_steps_under_medium_precision_match_the_per_matrix_reference():
-    """bf16 Newton–Schulz: the bf16 Q each step carries to its apply is scaled there in fp32, per QKV piece."""
+    """bf16 Newton–Schulz: the bf16 Q each step carries to its apply is scaled there in
+    fp32, per QKV piece."""
     muon = dataclasses.replace(MUON, fp32_matmul_prec="medium")
     params = toy_params(layers=2)
     # Gradients on a 2^-18 grid sum exactly in any order, and the clip does not bind, so the sharded
     # step orthogonalises the reference's fp32 matrices bit for bit: the bf16 roundings inside
     # Newton–Schulz then match too, and one step leaves only fp32 rounding between the two.
-    grads = [[jax.tree.map(lambda g: np.round(g * 256) / 2**18, d) for d in random_grads(params, 4, steps=1)[0]]]
-    # [out, in] storage, as the reference orthogonalises. down's pieces scale by sqrt(24), 4, 4 (whole: sqrt(48)).
+    grads = [
+        [
+            jax.tree.map(lambda g: np.round(g * 256) / 2**18, d)
+            for d in random_grads(params, 4, steps=1)[0]
+        ]
+    ]
+    # [out, in] storage, as the reference orthogonalises. down's pieces scale by sqrt(24),
+    # 4, 4 (whole: sqrt(48)).
     split = {"qkv_split": {"layer*/down": (24, 12, 12)}}
     runs = _serial_and_pipelined(params, grads, muon=muon, matrix_convention="out_in", **split)
-    assert {r.path: r.qkv_split_shapes for r in runs[0][0].plan.routes}["layer0/down"] == (24, 12, 12)
-    want = reference_run(params, grads, runs[0][0].plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0,
-                         muon_config=muon)
+    assert {r.path: r.qkv_split_shapes for r in runs[0][0].plan.routes}["layer0/down"] == (
+        24,
+        12,
+        12,
+    )
+    want = reference_run(
+        params,
+        grads,
+        runs[0][0].plan.routes,
+        lr=LR,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        muon_config=muon,
+    )
     for pipelined, (opt, got, _, metrics) in zip((False, True), runs):
         assert ("recomputed" in metrics) == pipelined and not bool(metrics.get("recomputed", False))
         assert float(metrics["clip_coef"]) == 1.0
-        for path, a, b, p in zip(opt.plan.routes, jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(params)):
+        for path, a, b, p in zip(
+            opt.plan.routes, jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(params)
+        ):
             # Measured against the step's change: bf16 scaling in the apply is off by ~1e-3 of it.
             err = np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b - np.asarray(p)))
             assert err <= 1e-4, (path.path, pipelined, err)
 
 
 def test_pipelined_step_recomputes_each_layer_wise_bucket_in_its_own_loop():
-    """One at-most-once loop per layer-wise bucket, so each bucket's update can follow its own loop."""
+    """One at-most-once loop per layer-wise bucket, so each bucket's update can follow
+    its own loop."""
     params = toy_params(layers=8)
     config = OptimizerConfig(weight_decay=0.1, clip_grad=1.0, pipeline_muon=True)
-    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=config, bucket_size=2000)
+    opt = layerwise_muon(
+        params, mesh_of(4), muon=MUON, config=config, layout=LayoutConfig(bucket_size=2000)
+    )
     grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
     text = _step_fn(opt).lower(params, opt.init(params), grads).as_text()
     layer_wise = sum(s.layer_wise for s in schedule_buckets(opt.plan).steps)
@@ -390,7 +531,9 @@ def test_pipelined_step_skips_nonfinite_gradients(clip_grad):
     grads[1][2]["layer1"]["up"][0, 0] = np.inf
     (_, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=clip_grad)
     assert bool(m0["skipped"]) and bool(m1["skipped"])
-    assert not m1.get("recomputed", False)  # the metric reports the clip; a skipped step's loops run anyway
+    assert not m1.get(
+        "recomputed", False
+    )  # the metric reports the clip; a skipped step's loops run anyway
     _assert_same_steps((p0, s0), (p1, s1))
     (_, p2, s2, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
     _assert_same_steps((p1, s1), (p2, s2))  # the skipped step changed nothing
@@ -402,43 +545,100 @@ def test_pipelined_step_without_clipping_matches_reference():
     (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=None)
     assert "recomputed" not in m1  # nothing to speculate on
     _assert_same_steps((p0, s0), (p1, s1))
-    want = reference_run(params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=None, muon_config=MUON)
+    want = reference_run(
+        params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=None, muon_config=MUON
+    )
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
 
 @pytest.mark.parametrize("pipeline_muon", [False, True])
 @pytest.mark.parametrize("matrix_convention", ["out_in", "in_out"])
-def test_stacked_qkv_matrices_read_as_one_block_match_the_reference(matrix_convention, pipeline_muon):
-    """Each rank's QKV and output matrices lie back to back: one slice in, one update out, either storage."""
+def test_stacked_qkv_matrices_read_as_one_block_match_the_reference(
+    matrix_convention, pipeline_muon
+):
+    """Each rank's QKV and output matrices lie back to back: one slice in, one update
+    out, either storage."""
     rng = np.random.default_rng(3)
     layers = 8
     w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.float32)  # noqa: E731
-    params = {"embed": w(64, 16), "layers": {"qkv": w(layers, 32, 16), "o": w(layers, 16, 16)}}  # [out, in]
-    grads = [[jax.tree.map(lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), params) for _ in range(2)]
-             for _ in range(3)]
-    stored = (lambda t: t) if matrix_convention == "out_in" else (  # noqa: E731
-        lambda t: {"embed": t["embed"], "layers": jax.tree.map(lambda x: x.swapaxes(-1, -2), t["layers"])})
-    config = OptimizerConfig(weight_decay=0.1, clip_grad=1.0, pipeline_muon=pipeline_muon,
-                             matrix_convention=matrix_convention)
-    opt = layerwise_muon(stored(params), mesh_of(2), learning_rate=LR, muon=MUON, config=config, bucket_size=None,
-                         stacked={"layers/*": 1}, qkv_split={"layers/qkv": (4, 2, 2)})
-    blocks = [(g.shape, g.width) for b in opt.plan.buffers for g in b.slot_groups
-              if all(r == g.offsets[0] for r in g.offsets)
-              and sharded_step._block_start(np.asarray(g.offsets[0]), g.shape) is not None]
-    assert {width for _, width in blocks} == {4} and len(blocks) == 2  # the QKV group and the output group
-    got, _, metrics = run_sharded(opt, stored(params), [[stored(g) for g in step] for step in grads])
-    reference = layerwise_muon(params, mesh_of(2), config=dataclasses.replace(config, matrix_convention="out_in"),
-                               bucket_size=None, stacked={"layers/*": 1}, qkv_split={"layers/qkv": (4, 2, 2)})
-    want = reference_run(params, grads, reference.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0,
-                         muon_config=MUON)
+    params = {
+        "embed": w(64, 16),
+        "layers": {"qkv": w(layers, 32, 16), "o": w(layers, 16, 16)},
+    }  # [out, in]
+    grads = [
+        [
+            jax.tree.map(lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), params)
+            for _ in range(2)
+        ]
+        for _ in range(3)
+    ]
+    stored = (
+        (lambda t: t)
+        if matrix_convention == "out_in"
+        # noqa: E731
+        else (
+            lambda t: {
+                "embed": t["embed"],
+                "layers": jax.tree.map(lambda x: x.swapaxes(-1, -2), t["layers"]),
+            }
+        )
+    )
+    config = OptimizerConfig(
+        weight_decay=0.1,
+        clip_grad=1.0,
+        pipeline_muon=pipeline_muon,
+        matrix_convention=matrix_convention,
+    )
+    opt = layerwise_muon(
+        stored(params),
+        mesh_of(2),
+        learning_rate=LR,
+        muon=MUON,
+        config=config,
+        layout=LayoutConfig(bucket_size=None),
+        routing=RoutingRules(stacked={"layers/*": 1}, qkv_split={"layers/qkv": (4, 2, 2)}),
+    )
+    blocks = [
+        (g.shape, g.width)
+        for b in opt.plan.buffers
+        for g in b.slot_groups
+        if all(r == g.offsets[0] for r in g.offsets)
+        and shards.block_start(np.asarray(g.offsets[0]), g.shape) is not None
+    ]
+    assert {width for _, width in blocks} == {4} and len(
+        blocks
+    ) == 2  # the QKV group and the output group
+    got, _, metrics = run_sharded(
+        opt, stored(params), [[stored(g) for g in step] for step in grads]
+    )
+    reference = layerwise_muon(
+        params,
+        mesh_of(2),
+        config=dataclasses.replace(config, matrix_convention="out_in"),
+        layout=LayoutConfig(bucket_size=None),
+        routing=RoutingRules(stacked={"layers/*": 1}, qkv_split={"layers/qkv": (4, 2, 2)}),
+    )
+    want = reference_run(
+        params,
+        grads,
+        reference.plan.routes,
+        lr=LR,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        muon_config=MUON,
+    )
     assert float(metrics["clip_coef"]) < 1  # the clip binds: the pipelined step recomputes
-    for a, b in zip(jax.tree.leaves(stored(got) if matrix_convention == "in_out" else got), jax.tree.leaves(want)):
+    for a, b in zip(
+        jax.tree.leaves(stored(got) if matrix_convention == "in_out" else got),
+        jax.tree.leaves(want),
+    ):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
 
 def _with_bits(x: jax.Array, rng) -> jax.Array:
-    """``x`` with -0.0 and subnormal entries scattered in (arithmetic on them would not keep their bits)."""
+    """``x`` with -0.0 and subnormal entries scattered in (arithmetic on them would not
+    keep their bits)."""
     values = np.asarray(x).copy()
     picks = rng.choice(values.size, size=(2, max(1, values.size // 16)), replace=False)
     values[picks[0]], values[picks[1]] = -0.0, np.float32(1e-40)
@@ -449,11 +649,15 @@ def _with_bits(x: jax.Array, rng) -> jax.Array:
 def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
     params = toy_params()
     config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipeline_muon)
-    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=config, bucket_size=2000)
+    opt = layerwise_muon(
+        params, mesh_of(4), muon=MUON, config=config, layout=LayoutConfig(bucket_size=2000)
+    )
     rng = np.random.default_rng(4)
     state = opt.init(params)
-    state = state._replace(momenta=jax.tree.map(lambda m: _with_bits(m, rng), state.momenta),
-                           masters=jax.tree.map(lambda m: _with_bits(m, rng), state.masters))
+    state = state._replace(
+        momenta=jax.tree.map(lambda m: _with_bits(m, rng), state.momenta),
+        masters=jax.tree.map(lambda m: _with_bits(m, rng), state.masters),
+    )
     bad = random_grads(params, 4, steps=1)[0]
     bad[3]["layer2"]["wo"][1, 1] = np.nan
     _, new_state, metrics = _step_fn(opt)(params, state, _stacked(opt, bad))

@@ -5,12 +5,10 @@ import pathlib
 
 import pytest
 
+from lwjax import LayoutConfig
 from lwjax.layout import ParamSpec
-from lwjax.policies import (
-    compute_full_param_layout,
-    compute_layout,
-    ping_pong_ownership,
-)
+from lwjax.megatron.ping_pong import ping_pong_ownership
+from lwjax.policies import compute_full_param_layout, compute_layout
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "layouts"
 POLICY_OF_VERSION = {"v1": "size_matching", "v2": "lpt", "v4": "ns_cost"}
@@ -48,9 +46,11 @@ def test_compute_layout_matches_megatron(case):
     layout = compute_layout(
         [_spec(p) for p in case["params"]],
         case["dp"],
-        policy=POLICY_OF_VERSION[case["version"]],
-        bucket_size=case["bucket_size"],
-        high_busbw=case["pad_buckets_for_high_nccl_busbw"],
+        LayoutConfig(
+            policy=POLICY_OF_VERSION[case["version"]],
+            bucket_size=case["bucket_size"],
+            high_busbw=case["pad_buckets_for_high_nccl_busbw"],
+        ),
     )
     assert layout.num_shards == case["dp"]
     _assert_layout_matches(layout, case["expected"])
@@ -68,9 +68,11 @@ def test_compute_full_param_layout_matches_megatron(case):
     full = compute_full_param_layout(
         specs,
         case["dp"],
-        policy=POLICY_OF_VERSION[case["version"]],
-        bucket_size=case["bucket_size"],
-        high_busbw=case["pad_buckets_for_high_nccl_busbw"],
+        LayoutConfig(
+            policy=POLICY_OF_VERSION[case["version"]],
+            bucket_size=case["bucket_size"],
+            high_busbw=case["pad_buckets_for_high_nccl_busbw"],
+        ),
         expert_dp=case["expert_dp"],
         grad_reduce_in_fp32=case["grad_reduce_in_fp32"],
     )
@@ -79,7 +81,10 @@ def test_compute_full_param_layout_matches_megatron(case):
     for (key, layout), exp in zip(full.layouts.items(), expected_buffers):
         k = exp["key"]
         assert (key.param_dtype, key.grad_dtype, key.is_expert_parallel, key.is_layer_wise) == (
-            k["param_dtype"], k["grad_dtype"], k["is_expert_parallel"], k["is_managed_by_layer_wise_optimizer"],
+            k["param_dtype"],
+            k["grad_dtype"],
+            k["is_expert_parallel"],
+            k["is_managed_by_layer_wise_optimizer"],
         )
         assert layout.num_shards == exp["num_optimizer_shards"] == exp["dp"]
         assert list(layout.param_index_map) == exp["params"]
@@ -94,7 +99,10 @@ PING_PONG_CASES = _load("pingpong.json")
 @pytest.mark.parametrize("case", PING_PONG_CASES, ids=[c["case_id"] for c in PING_PONG_CASES])
 def test_ping_pong_ownership_matches_megatron(case):
     specs = {p["name"]: _spec(p) for p in case["params"]}
-    groups = [(g["is_expert_parallel"], [specs[n] for n in g["params"]]) for g in case["optimizer_param_groups"]]
+    groups = [
+        (g["is_expert_parallel"], [specs[n] for n in g["params"]])
+        for g in case["optimizer_param_groups"]
+    ]
     dense, expert = ping_pong_ownership(groups, case["dp"], case["expert_dp"])
     assert dense == case["expected"]["dp_cp_params_list"]
     assert expert == case["expected"]["expt_dp_params_list"]

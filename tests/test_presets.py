@@ -7,8 +7,14 @@ import pathlib
 import pytest
 
 from lwjax.layout import ParamSpec
-from lwjax.presets import PRESETS, preset_specs, specs_from_json, specs_to_json, transformer_specs
 from lwjax.routing import is_embedding_or_output
+from lwjax.tools.presets import (
+    PRESETS,
+    preset_specs,
+    specs_from_json,
+    specs_to_json,
+    transformer_specs,
+)
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "layouts"
 
@@ -28,7 +34,10 @@ def test_llama8b_has_llama3_8b_shapes_and_count():
     by_name = _by_name(specs)
     assert by_name["embedding.word_embeddings.weight"].shape == (128256, 4096)
     assert by_name["output_layer.weight"].shape == (128256, 4096)
-    assert by_name["decoder.layers.31.self_attention.linear_qkv.weight"].shape == ((32 + 2 * 8) * 128, 4096)
+    assert by_name["decoder.layers.31.self_attention.linear_qkv.weight"].shape == (
+        (32 + 2 * 8) * 128,
+        4096,
+    )
     assert by_name["decoder.layers.0.self_attention.linear_proj.weight"].shape == (4096, 4096)
     assert by_name["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 14336, 4096)
     assert by_name["decoder.layers.0.mlp.linear_fc2.weight"].shape == (4096, 14336)
@@ -55,7 +64,10 @@ def test_moe_has_experts_and_a_dense_router():
     by_name = _by_name(specs)
     fc1 = by_name["decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight"]
     assert fc1.shape == (2 * 14336, 4096) and fc1.is_expert
-    assert by_name["decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight"].shape == (4096, 14336)
+    assert by_name["decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight"].shape == (
+        4096,
+        14336,
+    )
     router = by_name["decoder.layers.3.mlp.router.weight"]
     assert router.shape == (8, 4096) and router.is_muon and not router.is_expert
     assert "decoder.layers.3.mlp.linear_fc1.weight" not in by_name
@@ -119,7 +131,9 @@ def test_specs_from_json_reads_every_fixture_params_list():
                 assert spec.is_shared_embedding == p["shared_embedding"]
                 assert spec.is_expert == p["expert"]
                 if "is_embedding_or_output_parameter" in p:
-                    assert spec.is_muon == (len(p["shape"]) == 2 and not p["is_embedding_or_output_parameter"])
+                    assert spec.is_muon == (
+                        len(p["shape"]) == 2 and not p["is_embedding_or_output_parameter"]
+                    )
             assert specs_from_json(case) == specs  # a whole case object works too
 
 
@@ -150,17 +164,44 @@ def test_specs_to_json_round_trips():
         ([4096, 4096], r"params\[0\]: each entry must be a shape"),
         ([{"shape": [4]}], r"params\[0\]: name must be a non-empty string"),
         ([{"name": "a", "shape": [4]}, {"name": "b"}], r"params\[1\] \(b\): shape is missing"),
-        ([{"name": "a", "shape": [4]}, {"name": "a", "shape": [8]}], r"params\[1\] \(a\): duplicate"),
-        ([{"name": "a", "shape": [4], "shard": 1}], r"params\[0\] \(a\): unknown fields \['shard'\]"),
-        ([{"name": "a", "shape": [4], "expert": "yes"}], r"params\[0\] \(a\): expert must be true or false"),
-        ([{"name": "a", "shape": [4], "is_muon": True}], r"params\[0\] \(a\): a Muon parameter must be a 2-D"),
-        ([{"name": "a", "shape": [4, 4], "dtype": 3}], r"params\[0\] \(a\): dtype must be a dtype name"),
+        (
+            [{"name": "a", "shape": [4]}, {"name": "a", "shape": [8]}],
+            r"params\[1\] \(a\): duplicate",
+        ),
+        (
+            [{"name": "a", "shape": [4], "shard": 1}],
+            r"params\[0\] \(a\): unknown fields \['shard'\]",
+        ),
+        (
+            [{"name": "a", "shape": [4], "expert": "yes"}],
+            r"params\[0\] \(a\): expert must be true or false",
+        ),
+        (
+            [{"name": "a", "shape": [4], "is_muon": True}],
+            r"params\[0\] \(a\): a Muon parameter must be a 2-D",
+        ),
+        (
+            [{"name": "a", "shape": [4, 4], "dtype": 3}],
+            r"params\[0\] \(a\): dtype must be a dtype name",
+        ),
         ([{"name": "a", "shape": "4x4"}], r"params\[0\] \(a\): shape must be a list"),
     ],
     ids=[
-        "empty", "object_without_params", "not_a_list", "zero_dim", "float_dim", "mixed_forms", "bare_ints",
-        "missing_name", "missing_shape", "duplicate_name", "unknown_field", "non_bool_flag", "muon_vector",
-        "bad_dtype", "string_shape",
+        "empty",
+        "object_without_params",
+        "not_a_list",
+        "zero_dim",
+        "float_dim",
+        "mixed_forms",
+        "bare_ints",
+        "missing_name",
+        "missing_shape",
+        "duplicate_name",
+        "unknown_field",
+        "non_bool_flag",
+        "muon_vector",
+        "bad_dtype",
+        "string_shape",
     ],
 )
 def test_specs_from_json_rejects_bad_entries(doc, message):

@@ -1,4 +1,5 @@
-"""``jit_shard_map``: donated buffers are paired with their own outputs by JAX, not by byte size in XLA."""
+"""``jit_shard_map``: donated buffers are paired with their own outputs by JAX, not by
+byte size in XLA."""
 
 import re
 
@@ -8,12 +9,13 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lwjax import bench
+from lwjax.tools import bench
 from lwjax.train import jit_shard_map
 
 
 def _aliases(lowered_text: str) -> tuple[list[tuple[str, str]], str]:
-    """``(argument type, type of the output it is aliased to)`` per aliased argument, and ``main``'s signature."""
+    """``(argument type, type of the output it is aliased to)`` per aliased argument,
+    and ``main``'s signature."""
     main = next(line for line in lowered_text.splitlines() if "func.func public @main" in line)
     args, results = main.split(") -> (")
     result_types = re.findall(r"tensor<[^>]*>", results)
@@ -26,42 +28,60 @@ def _aliases(lowered_text: str) -> tuple[list[tuple[str, str]], str]:
 
 
 def _workload(pipeline_muon=False):
-    shapes, split = bench.workload_shapes("small", 2)
+    config = bench.workload_config("small", 2)
+    shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     params = bench._params(shapes, mesh, jnp.bfloat16)
-    opt = bench.workload_optimizer(params, mesh, split, ns_precision="medium", grad_reduce_in_fp32=True,
-                                   policy="ns_cost", bucket_size="auto", pipeline_muon=pipeline_muon)
+    opt = bench.workload_optimizer(
+        params,
+        mesh,
+        config,
+        ns_precision="medium",
+        grad_reduce_in_fp32=True,
+        policy="ns_cost",
+        bucket_size="auto",
+        pipeline_muon=pipeline_muon,
+    )
     return mesh, params, opt, bench._local_grads(shapes, mesh, jnp.bfloat16, 1e-2)
 
 
 def test_donated_state_is_aliased_to_its_own_outputs_when_the_parameters_are_not_read():
-    """The benchmark's step: new parameters have no donor, so without out_shardings XLA pairs by size and crosses.
+    """The benchmark's step: new parameters have no donor, so without out_shardings XLA
+    pairs by size and crosses.
 
     Without ``out_shardings`` JAX marks every donated buffer ``jax.buffer_donor``
     (here all 7 state leaves) and leaves the pairing to XLA.
     """
     mesh, params, opt, grads = _workload(pipeline_muon=True)
     state = opt.init(params)
-    step = jit_shard_map(lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2], mesh,
-                         (P(), opt.state_specs, P("dp")), (P(), opt.state_specs), donate_argnums=(0, 1))
+    step = bench.optimizer_step(opt)
     pairs, main = _aliases(step.lower(params, state, grads).as_text())
     assert "jax.buffer_donor" not in main
     assert len(pairs) == len(jax.tree.leaves(state)) and all(a == r for a, r in pairs)
 
 
 def test_train_step_signature_aliases_parameters_and_state():
-    """A step that reads its parameters (forward and backward) donates and aliases parameters and state alike."""
+    """A step that reads its parameters (forward and backward) donates and aliases
+    parameters and state alike."""
     mesh, params, opt, grads = _workload()
     state = opt.init(params)
 
     def local_step(p, s, batch):
-        loss = lambda q: sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(q)) * batch[0, 0]
+        def loss(q):
+            squares = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(q))
+            return squares * batch[0, 0]
+
         value, g = jax.value_and_grad(loss)(p)
         p, s, _ = opt.update(g, s, p)
         return p, s, jax.lax.pmean(value, "dp")
 
-    step = jit_shard_map(local_step, mesh, (P(), opt.state_specs, P("dp")), (P(), opt.state_specs, P()),
-                         donate_argnums=(0, 1))
+    step = jit_shard_map(
+        local_step,
+        mesh,
+        (P(), opt.state_specs, P("dp")),
+        (P(), opt.state_specs, P()),
+        donate_argnums=(0, 1),
+    )
     pairs, main = _aliases(step.lower(params, state, jnp.ones((4, 2))).as_text())
     assert "jax.buffer_donor" not in main
     assert len(pairs) == len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))

@@ -17,9 +17,15 @@ Typical use::
 Modules: :mod:`~lwjax.megatron.pickle_io` (restricted unpickler, ``torch.save``
 archives), :mod:`~lwjax.megatron.dcp` (DCP directories), :mod:`~lwjax.megatron.names`
 (keys, definition order, tensor-parallel chunks), :mod:`~lwjax.megatron.state`
-(formats -> :class:`MegatronState`), :mod:`~lwjax.megatron.gpt` (the GPT tree and
-forward), :mod:`~lwjax.megatron.convert` (lwjax <-> Megatron, ``lwjax convert``).
+(formats -> :class:`MegatronState`), :mod:`~lwjax.megatron.gpt` (the GPT's shape and
+tree), :mod:`~lwjax.megatron.model` (its initialisation and forward pass, jax),
+:mod:`~lwjax.megatron.convert` (lwjax <-> Megatron, ``lwjax convert``),
+:mod:`~lwjax.megatron.ping_pong` (Megatron's legacy ownership). ``gpt_loss`` is
+loaded on first use, so reading checkpoints never imports jax.
 """
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 from lwjax.megatron.convert import ConvertConfig as ConvertConfig
 from lwjax.megatron.convert import MegatronImport as MegatronImport
@@ -29,9 +35,11 @@ from lwjax.megatron.convert import megatron_to_logical as megatron_to_logical
 from lwjax.megatron.convert import save_safetensors as save_safetensors
 from lwjax.megatron.convert import save_torch_dist as save_torch_dist
 from lwjax.megatron.gpt import GPTConfig as GPTConfig
-from lwjax.megatron.gpt import gpt_loss as gpt_loss
 from lwjax.megatron.state import MegatronState as MegatronState
 from lwjax.megatron.state import read_megatron as read_megatron
+
+if TYPE_CHECKING:
+    from lwjax.megatron.model import gpt_loss as gpt_loss
 
 __all__ = (
     "ConvertConfig",
@@ -46,3 +54,9 @@ __all__ = (
     "save_safetensors",
     "save_torch_dist",
 )
+
+
+def __getattr__(name: str):
+    if name == "gpt_loss":
+        return import_module("lwjax.megatron.model").gpt_loss
+    raise AttributeError(f"module 'lwjax.megatron' has no attribute {name!r}")

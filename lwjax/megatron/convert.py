@@ -2,7 +2,7 @@
 
 In: :func:`megatron_to_logical` turns a :class:`~lwjax.megatron.state.MegatronState`
 into the GPT parameter tree of :mod:`lwjax.megatron.gpt` plus a
-:class:`~lwjax.optimizer.LogicalState` (fp32 masters, Muon momenta, Adam moments
+:class:`~lwjax.logical.LogicalState` (fp32 masters, Muon momenta, Adam moments
 as ``optax.ScaleByAdamState``, step counts) and the optimizer options that
 reproduce Megatron's run; :meth:`MegatronImport.optimizer` and
 :meth:`MegatronImport.state` put it on any mesh.
@@ -38,10 +38,26 @@ TARGETS = ("lwjax", "safetensors", "torch_dist")
 Target = Literal["lwjax", "safetensors", "torch_dist"]
 FP32_PREFIX = "optimizer.state.fp32_param."
 MOMENTUM_PREFIX = "optimizer.state.momentum_buffer."
-_ADAM_GROUP_DEFAULTS = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0, "is_decoupled_lr": False,
-                        "min_lr": None, "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                        "differentiable": False, "fused": None, "decoupled_weight_decay": True}
-_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_ADAM_GROUP_DEFAULTS = {
+    "is_expert_parallel": False,
+    "default_config": True,
+    "lr_mult": 1.0,
+    "is_decoupled_lr": False,
+    "min_lr": None,
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
+_EXTRA_STATE_MODULES = (
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +67,7 @@ class MegatronImport:
     Attributes:
       config: The model's :class:`~lwjax.megatron.gpt.GPTConfig`.
       params: The GPT parameter tree (stored dtype, e.g. bf16).
-      logical: The :class:`~lwjax.optimizer.LogicalState` of
+      logical: The :class:`~lwjax.logical.LogicalState` of
         :func:`lwjax.optimizer.layerwise_muon` with Adam as its elementwise transform.
       muon: Whether Megatron ran Muon on the decoder matrices (``dist_muon``).
       hyperparameters: Megatron's ``{"muon": {...}, "adam": {...}}`` param-group values.
@@ -70,7 +86,8 @@ class MegatronImport:
     args: dict
 
     def optimizer_kwargs(self, **overrides) -> dict[str, Any]:
-        """Keyword arguments of :func:`~lwjax.optimizer.layerwise_muon` that continue Megatron's run.
+        """Keyword arguments of :func:`~lwjax.optimizer.layerwise_muon` that continue
+        Megatron's run.
 
         Learning rates are the param groups' current values (constant); pass
         schedules in ``overrides`` to continue one.
@@ -98,11 +115,19 @@ class MegatronImport:
             "learning_rate": float(muon.get("lr", adam.get("lr", args.get("lr", 1e-3)))),
             "adam_learning_rate": float(adam.get("lr", muon.get("lr", args.get("lr", 1e-3)))),
             "muon": muon_config,
-            "elementwise": optax.scale_by_adam(b1=float(b1), b2=float(b2), eps=float(adam.get("eps", 1e-8))),
+            "elementwise": optax.scale_by_adam(
+                b1=float(b1), b2=float(b2), eps=float(adam.get("eps", 1e-8))
+            ),
             "config": OptimizerConfig(
-                weight_decay=float(adam.get("weight_decay", muon.get("weight_decay", args.get("weight_decay", 0.01)))),
-                clip_grad=float(clip) if clip else None, matrix_convention="out_in"),
-            **self.config.optimizer_options(muon=self.muon),
+                weight_decay=float(
+                    adam.get(
+                        "weight_decay", muon.get("weight_decay", args.get("weight_decay", 0.01))
+                    )
+                ),
+                clip_grad=float(clip) if clip else None,
+                matrix_convention="out_in",
+            ),
+            "routing": self.config.routing_rules(muon=self.muon),
         }
         kwargs.update(overrides)
         return kwargs
@@ -114,25 +139,31 @@ class MegatronImport:
         return layerwise_muon(self.params, mesh, **self.optimizer_kwargs(**overrides))
 
     def state(self, optimizer):
-        """``(params, state)`` on ``optimizer``'s mesh: replicated parameters and the packed optimizer state."""
+        """``(params, state)`` on ``optimizer``'s mesh: replicated parameters and the packed
+        optimizer state.
+        """
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from lwjax.optimizer import from_logical
+        from lwjax.logical import from_logical
 
         params = jax.device_put(self.params, NamedSharding(optimizer.mesh, P()))
         return params, from_logical(optimizer, self.logical)
 
 
-def _gpt_config(state: MegatronState, config: GPTConfig | None, overrides: Mapping[str, Any]) -> GPTConfig:
+def _gpt_config(
+    state: MegatronState, config: GPTConfig | None, overrides: Mapping[str, Any]
+) -> GPTConfig:
     if config is not None:
         return config
     args = {**state.args, **{k: v for k, v in overrides.items() if v is not None}}
     return GPTConfig.from_megatron({k: v.shape for k, v in state.model.items()}, args)
 
 
-def megatron_to_logical(state: MegatronState, config: GPTConfig | None = None, **config_overrides) -> MegatronImport:
+def megatron_to_logical(
+    state: MegatronState, config: GPTConfig | None = None, **config_overrides
+) -> MegatronImport:
     """Turn a Megatron checkpoint into lwjax's GPT parameters and logical optimizer state.
 
     Args:
@@ -151,20 +182,21 @@ def megatron_to_logical(state: MegatronState, config: GPTConfig | None = None, *
     """
     import optax
 
-    from lwjax.optimizer import LogicalState
+    from lwjax.logical import LogicalState
+    from lwjax.optimizer import route_params
 
     config = _gpt_config(state, config, config_overrides)
     muon = bool(state.momentum)
-    options = config.optimizer_options(muon=muon)
-    from lwjax.buffers import leaf_records
-    from lwjax.routing import route_leaves
-
     params = tree_from_keys(state.model)
-    routes = {r.path.replace("/", "."): r for r in route_leaves(leaf_records(params), **options)}
+    routes = {
+        r.path.replace("/", "."): r for r in route_params(params, config.routing_rules(muon=muon))
+    }
     lwjax_muon = {k for k, r in routes.items() if r.is_muon}
     if muon and lwjax_muon != set(state.momentum):
-        raise ValueError(f"Megatron ran Muon on {sorted(state.momentum)}, lwjax's GPT routing gives "
-                         f"{sorted(lwjax_muon)}; they must agree to continue the run.")
+        raise ValueError(
+            f"Megatron ran Muon on {sorted(state.momentum)}, lwjax's GPT routing gives "
+            f"{sorted(lwjax_muon)}; they must agree to continue the run."
+        )
     masters, mu, nu, momenta = {}, {}, {}, {}
     for key, weight in state.model.items():
         masters[key] = state.masters[key] if key in state.masters else weight.astype(np.float32)
@@ -181,16 +213,26 @@ def megatron_to_logical(state: MegatronState, config: GPTConfig | None = None, *
         count=np.asarray(iteration, np.int32),
         masters=tree_from_keys(masters),
         momenta=tree_from_keys(momenta),
-        elementwise=optax.ScaleByAdamState(count=np.asarray(adam_step, np.int32), mu=tree_from_keys(mu),
-                                           nu=tree_from_keys(nu)),
+        elementwise=optax.ScaleByAdamState(
+            count=np.asarray(adam_step, np.int32), mu=tree_from_keys(mu), nu=tree_from_keys(nu)
+        ),
     )
-    return MegatronImport(config=config, params=params, logical=logical, muon=muon,
-                          hyperparameters=state.hyperparameters, iteration=iteration,
-                          source={**state.source, "has_optimizer_state": bool(state.masters)}, args=state.args)
+    return MegatronImport(
+        config=config,
+        params=params,
+        logical=logical,
+        muon=muon,
+        hyperparameters=state.hyperparameters,
+        iteration=iteration,
+        source={**state.source, "has_optimizer_state": bool(state.masters)},
+        args=state.args,
+    )
 
 
 def _adam_state(elementwise):
-    """The ``ScaleByAdamState`` inside an elementwise optax state (a chain's tuple or the state itself)."""
+    """The ``ScaleByAdamState`` inside an elementwise optax state
+    (a chain's tuple or the state itself).
+    """
     if hasattr(elementwise, "mu") and hasattr(elementwise, "nu"):
         return elementwise
     if isinstance(elementwise, tuple):
@@ -208,11 +250,12 @@ def logical_to_megatron(
     hyperparameters: Mapping[str, Any] | None = None,
     args: Mapping[str, Any] | None = None,
 ) -> MegatronState:
-    """Inverse of :func:`megatron_to_logical`: a :class:`MegatronState` from GPT parameters and logical state.
+    """Inverse of :func:`megatron_to_logical`: a :class:`MegatronState` from GPT parameters
+    and logical state.
 
     Args:
       params: The GPT parameter tree (nested dicts of Megatron key parts).
-      logical: Its :class:`~lwjax.optimizer.LogicalState`, Adam as elementwise state.
+      logical: Its :class:`~lwjax.logical.LogicalState`, Adam as elementwise state.
       iteration: Iterations done; defaults to ``logical.count``.
       hyperparameters: ``{"muon": {...}, "adam": {...}}`` for the param groups.
       args: Megatron ``args`` to record.
@@ -226,16 +269,28 @@ def logical_to_megatron(
     momenta = {k: to_np(v) for k, v in keys_from_tree(logical.momenta).items() if v is not None}
     adam = _adam_state(logical.elementwise)
     if adam is None and len(momenta) < len(model):
-        raise ValueError("logical_to_megatron: the elementwise state has no Adam moments (mu, nu); "
-                         "Megatron's optimizer state cannot be written.")
-    exp_avg = {k: to_np(v) for k, v in keys_from_tree(adam.mu).items() if v is not None} if adam else {}
-    exp_avg_sq = {k: to_np(v) for k, v in keys_from_tree(adam.nu).items() if v is not None} if adam else {}
+        raise ValueError(
+            "logical_to_megatron: the elementwise state has no Adam moments (mu, nu); "
+            "Megatron's optimizer state cannot be written."
+        )
+    exp_avg = (
+        {k: to_np(v) for k, v in keys_from_tree(adam.mu).items() if v is not None} if adam else {}
+    )
+    exp_avg_sq = (
+        {k: to_np(v) for k, v in keys_from_tree(adam.nu).items() if v is not None} if adam else {}
+    )
     count = int(np.asarray(logical.count))
     return MegatronState(
         iteration=count if iteration is None else int(iteration),
-        model=model, masters=masters, momentum=momenta, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+        model=model,
+        masters=masters,
+        momentum=momenta,
+        exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq,
         adam_step=int(np.asarray(adam.count)) if adam is not None else None,
-        hyperparameters=dict(hyperparameters or {}), args=dict(args or {}), source={"format": "lwjax"},
+        hyperparameters=dict(hyperparameters or {}),
+        args=dict(args or {}),
+        source={"format": "lwjax"},
     )
 
 
@@ -258,16 +313,30 @@ def _plain(value):
 def _megatron_args(state: MegatronState, config: GPTConfig | None) -> dict:
     args = {k: v for k, v in ((k, _plain(v)) for k, v in state.args.items()) if v is not None}
     if config is not None:
-        args.update(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                    num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
-                    group_query_attention=config.num_query_groups != config.num_attention_heads,
-                    ffn_hidden_size=config.ffn_hidden_size, kv_channels=config.head_dim,
-                    padded_vocab_size=config.vocab_size, share_embeddings_and_output_weights=config.tied_embeddings,
-                    swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
-                    add_bias_linear=False, norm_epsilon=config.norm_epsilon, rotary_base=config.rotary_base)
-    args.update(ckpt_format="torch_dist", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                optimizer="dist_muon" if state.momentum else "adam",
-                bf16=any(w.dtype == ml_dtypes.bfloat16 for w in state.model.values()))
+        args.update(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups,
+            group_query_attention=config.num_query_groups != config.num_attention_heads,
+            ffn_hidden_size=config.ffn_hidden_size,
+            kv_channels=config.head_dim,
+            padded_vocab_size=config.vocab_size,
+            share_embeddings_and_output_weights=config.tied_embeddings,
+            swiglu=True,
+            normalization="RMSNorm",
+            position_embedding_type="rope",
+            add_bias_linear=False,
+            norm_epsilon=config.norm_epsilon,
+            rotary_base=config.rotary_base,
+        )
+    args.update(
+        ckpt_format="torch_dist",
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        optimizer="dist_muon" if state.momentum else "adam",
+        bf16=any(w.dtype == ml_dtypes.bfloat16 for w in state.model.values()),
+    )
     return args
 
 
@@ -277,20 +346,40 @@ def _param_groups(state: MegatronState) -> tuple[list[dict], list[dict]]:
     lr = float(adam.get("lr", muon.get("lr", 0.0)))
     adam_groups = []
     for wd_mult in (1.0, 0.0):
-        group = {**_ADAM_GROUP_DEFAULTS, "wd_mult": wd_mult, "max_lr": float(adam.get("max_lr", lr)), "lr": lr,
-                 "betas": tuple(adam.get("betas", (0.9, 0.999))), "eps": float(adam.get("eps", 1e-8)),
-                 "weight_decay": float(adam.get("weight_decay", 0.0))}
+        group = {
+            **_ADAM_GROUP_DEFAULTS,
+            "wd_mult": wd_mult,
+            "max_lr": float(adam.get("max_lr", lr)),
+            "lr": lr,
+            "betas": tuple(adam.get("betas", (0.9, 0.999))),
+            "eps": float(adam.get("eps", 1e-8)),
+            "weight_decay": float(adam.get("weight_decay", 0.0)),
+        }
         if state.adam_step is not None:
             group["step"] = float(state.adam_step)
         adam_groups.append(group)
     muon_groups = []
     if state.momentum:
         muon_lr = float(muon.get("lr", lr))
-        muon_groups.append({**{k: _ADAM_GROUP_DEFAULTS[k] for k in ("is_expert_parallel", "default_config", "lr_mult",
-                                                                   "is_decoupled_lr", "min_lr")},
-                            "wd_mult": 1.0, "max_lr": float(muon.get("max_lr", muon_lr)), "lr": muon_lr,
-                            "momentum": float(muon.get("momentum", 0.95)),
-                            "weight_decay": float(muon.get("weight_decay", 0.0))})
+        muon_groups.append(
+            {
+                **{
+                    k: _ADAM_GROUP_DEFAULTS[k]
+                    for k in (
+                        "is_expert_parallel",
+                        "default_config",
+                        "lr_mult",
+                        "is_decoupled_lr",
+                        "min_lr",
+                    )
+                },
+                "wd_mult": 1.0,
+                "max_lr": float(muon.get("max_lr", muon_lr)),
+                "lr": muon_lr,
+                "momentum": float(muon.get("momentum", 0.95)),
+                "weight_decay": float(muon.get("weight_decay", 0.0)),
+            }
+        )
     return muon_groups, adam_groups
 
 
@@ -309,8 +398,9 @@ def megatron_tensors(state: MegatronState) -> dict[str, np.ndarray]:
     return tensors
 
 
-def save_torch_dist(state: MegatronState, directory, *, config: GPTConfig | None = None,
-                    overwrite: bool = False) -> pathlib.Path:
+def save_torch_dist(
+    state: MegatronState, directory, *, config: GPTConfig | None = None, overwrite: bool = False
+) -> pathlib.Path:
     """Write ``state`` as a Megatron ``torch_dist`` checkpoint (needs torch).
 
     Layout: ``<directory>/latest_checkpointed_iteration.txt`` and
@@ -334,14 +424,22 @@ def save_torch_dist(state: MegatronState, directory, *, config: GPTConfig | None
     iteration_dir = directory / f"iter_{state.iteration:07d}"
     if iteration_dir.exists():
         if not overwrite:
-            raise ValueError(f"{iteration_dir}: already exists; pass overwrite=True (--overwrite) to replace it.")
+            raise ValueError(
+                f"{iteration_dir}: already exists; pass overwrite=True (--overwrite) to replace it."
+            )
         import shutil
 
         shutil.rmtree(iteration_dir)
     muon_groups, adam_groups = _param_groups(state)
-    adam_part = {"optimizer": {"param_groups": adam_groups}, "param_state_sharding_type": "fully_reshardable"}
-    content = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
-               "chained_optim_avoid_prefix": True}
+    adam_part = {
+        "optimizer": {"param_groups": adam_groups},
+        "param_state_sharding_type": "fully_reshardable",
+    }
+    content = {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
     import argparse
 
     common = {
@@ -350,24 +448,31 @@ def save_torch_dist(state: MegatronState, directory, *, config: GPTConfig | None
         "iteration": int(state.iteration),
         "content_metadata": content,
         "num_floating_point_operations_so_far": 0,
-        "optimizer": {0: {"optimizer": {"param_groups": muon_groups}}, 1: adam_part} if muon_groups else adam_part,
+        "optimizer": {0: {"optimizer": {"param_groups": muon_groups}}, 1: adam_part}
+        if muon_groups
+        else adam_part,
     }
     objects = {"common_state/shard_0_1": common}
     num_layers = next((w.shape[0] for k, w in state.model.items() if names_lib.is_layer_key(k)), 0)
     for module in _EXTRA_STATE_MODULES:
         if f"{names_lib.LAYER_PREFIX}{module}.weight" in state.model:
             for layer in range(num_layers):
-                objects[f"{names_lib.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"] = None
+                objects[
+                    f"{names_lib.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"
+                ] = None
     directory.mkdir(parents=True, exist_ok=True)
     save_dcp_torch(iteration_dir, megatron_tensors(state), objects)
-    (iteration_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
-                                                             "sharded_backend_version": 1}))
+    (iteration_dir / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+    )
     (directory / "latest_checkpointed_iteration.txt").write_text(str(state.iteration))
     return iteration_dir
 
 
 def safetensors_tensors(state: MegatronState) -> dict[str, np.ndarray]:
-    """Model weights under their Megatron keys, fp32 masters and Muon momenta under optimizer keys."""
+    """Model weights under their Megatron keys, fp32 masters and Muon momenta under
+    optimizer keys.
+    """
     tensors = dict(state.model)
     tensors.update({FP32_PREFIX + k: v for k, v in state.masters.items()})
     tensors.update({MOMENTUM_PREFIX + k: v for k, v in state.momentum.items()})
@@ -378,15 +483,27 @@ def save_safetensors(state: MegatronState, path, *, overwrite: bool = False) -> 
     """Write global weights (plus masters and Muon momenta) to one ``.safetensors`` file.
 
     Raises:
-      ValueError: ``path`` exists (without ``overwrite``).
+      ValueError: ``path`` exists (without ``overwrite``), or safetensors is not installed.
     """
-    from safetensors.numpy import save_file
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise ValueError(
+            f"{path}: writing safetensors needs the megatron extra: pip install 'lwjax[megatron]'."
+        ) from None
 
     path = pathlib.Path(path)
     if path.exists() and not overwrite:
-        raise ValueError(f"{path}: already exists; pass overwrite=True (--overwrite) to replace it.")
-    metadata = {"format": "megatron", "iteration": str(state.iteration),
-                "source": json.dumps({k: v for k, v in state.source.items() if isinstance(v, (str, int, bool))})}
+        raise ValueError(
+            f"{path}: already exists; pass overwrite=True (--overwrite) to replace it."
+        )
+    metadata = {
+        "format": "megatron",
+        "iteration": str(state.iteration),
+        "source": json.dumps(
+            {k: v for k, v in state.source.items() if isinstance(v, (str, int, bool))}
+        ),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(safetensors_tensors(state), str(tmp), metadata=metadata)
@@ -424,9 +541,13 @@ class ConvertConfig:
 
     def __post_init__(self):
         if self.to is not None and self.to not in TARGETS:
-            raise ValueError(f"ConvertConfig.to must be one of {TARGETS} or None; got to={self.to!r}.")
+            raise ValueError(
+                f"ConvertConfig.to must be one of {TARGETS} or None; got to={self.to!r}."
+            )
         if self.reader not in READERS:
-            raise ValueError(f"ConvertConfig.reader must be one of {READERS}; got reader={self.reader!r}.")
+            raise ValueError(
+                f"ConvertConfig.reader must be one of {READERS}; got reader={self.reader!r}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,22 +584,33 @@ def detect_source(path) -> str:
 def _rows(state: MegatronState) -> tuple:
     rows = []
     for key, weight in state.model.items():
-        tables = (("master", state.masters), ("momentum", state.momentum), ("exp_avg", state.exp_avg),
-                  ("exp_avg_sq", state.exp_avg_sq))
+        tables = (
+            ("master", state.masters),
+            ("momentum", state.momentum),
+            ("exp_avg", state.exp_avg),
+            ("exp_avg_sq", state.exp_avg_sq),
+        )
         kinds = [name for name, table in tables if key in table]
         rows.append((key, tuple(weight.shape), weight.dtype.name, ", ".join(kinds) or "-"))
     return tuple(rows)
 
 
-def _state_from_lwjax(arrays: Mapping[str, np.ndarray], record: Mapping) -> tuple[MegatronState, GPTConfig | None]:
-    """A MegatronState from an lwjax checkpoint of the GPT tree (names ``params/...``, ``state/...``)."""
+def _state_from_lwjax(
+    arrays: Mapping[str, np.ndarray], record: Mapping
+) -> tuple[MegatronState, GPTConfig | None]:
+    """A MegatronState from an lwjax checkpoint of the GPT tree
+    (names ``params/...``, ``state/...``).
+    """
     import optax
 
-    from lwjax.optimizer import LogicalState
+    from lwjax.logical import LogicalState
 
     def group(prefix):
-        return {name[len(prefix):].replace("/", "."): value for name, value in arrays.items()
-                if name.startswith(prefix)}
+        return {
+            name[len(prefix) :].replace("/", "."): value
+            for name, value in arrays.items()
+            if name.startswith(prefix)
+        }
 
     params, masters, momenta = group("params/"), group("state/masters/"), group("state/momenta/")
     mu, nu = group("state/elementwise/mu/"), group("state/elementwise/nu/")
@@ -486,17 +618,29 @@ def _state_from_lwjax(arrays: Mapping[str, np.ndarray], record: Mapping) -> tupl
         raise ValueError("the lwjax checkpoint has no params/ or state/masters/ arrays.")
     fill = lambda table: tree_from_keys({k: table.get(k) for k in params})  # noqa: E731
     count = arrays.get("state/elementwise/count", arrays.get("state/count"))
-    logical = LogicalState(count=arrays["state/count"], masters=fill(masters), momenta=fill(momenta),
-                           elementwise=optax.ScaleByAdamState(count=count, mu=fill(mu), nu=fill(nu)))
+    logical = LogicalState(
+        count=arrays["state/count"],
+        masters=fill(masters),
+        momenta=fill(momenta),
+        elementwise=optax.ScaleByAdamState(count=count, mu=fill(mu), nu=fill(nu)),
+    )
     meta = record.get("metadata", {}).get("megatron", {})
     config = GPTConfig(**meta["config"]) if "config" in meta else None
-    state = logical_to_megatron(tree_from_keys(params), logical, iteration=record.get("step"),
-                                hyperparameters=meta.get("hyperparameters"), args=meta.get("args"))
+    state = logical_to_megatron(
+        tree_from_keys(params),
+        logical,
+        iteration=record.get("step"),
+        hyperparameters=meta.get("hyperparameters"),
+        args=meta.get("args"),
+    )
     return state, config
 
 
-def convert(config: ConvertConfig, progress: Callable[[str, int, int], None] | None = None) -> ConvertSummary:
-    """Run one conversion (see :class:`ConvertConfig`); ``progress(stage, done, total)`` reports stages.
+def convert(
+    config: ConvertConfig, progress: Callable[[str, int, int], None] | None = None
+) -> ConvertSummary:
+    """Run one conversion (see :class:`ConvertConfig`); ``progress(stage, done, total)``
+    reports stages.
 
     Raises:
       ValueError: unreadable input, an output that exists, or an impossible direction.
@@ -504,10 +648,17 @@ def convert(config: ConvertConfig, progress: Callable[[str, int, int], None] | N
     started = time.perf_counter()
     report = progress or (lambda *_: None)
     source = detect_source(config.src)
-    target = config.to or ("safetensors" if config.dst.endswith(".safetensors")
-                           else "torch_dist" if source == "lwjax" else "lwjax")
+    target = config.to or (
+        "safetensors"
+        if config.dst.endswith(".safetensors")
+        else "torch_dist"
+        if source == "lwjax"
+        else "lwjax"
+    )
     if source == "lwjax" and target == "lwjax":
-        raise ValueError(f"{config.src} is already an lwjax checkpoint; choose --to torch_dist or safetensors.")
+        raise ValueError(
+            f"{config.src} is already an lwjax checkpoint; choose --to torch_dist or safetensors."
+        )
     if target == "safetensors" and not config.dst.endswith(".safetensors"):
         raise ValueError(f"{config.dst}: a safetensors output must end in .safetensors.")
     total = 3
@@ -522,32 +673,61 @@ def convert(config: ConvertConfig, progress: Callable[[str, int, int], None] | N
         state, gpt = _state_from_lwjax(arrays, record)
     report("converting", 1, total)
     if target == "lwjax":
-        from lwjax.buffers import leaf_records
         from lwjax.checkpoint import save_logical
-        from lwjax.routing import route_leaves
+        from lwjax.optimizer import route_params
 
-        imported = megatron_to_logical(state, num_attention_heads=config.num_attention_heads,
-                                       num_query_groups=config.num_query_groups)
-        routes = route_leaves(leaf_records(imported.params), **imported.config.optimizer_options(muon=imported.muon))
-        metadata = {"megatron": {"config": dataclasses.asdict(imported.config),
-                                 "hyperparameters": _plain(imported.hyperparameters),
-                                 "args": {k: v for k, v in ((k, _plain(v)) for k, v in imported.args.items())
-                                          if v is not None},
-                                 "source": _plain(imported.source), "muon": imported.muon}}
+        imported = megatron_to_logical(
+            state,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups,
+        )
+        routes = route_params(imported.params, imported.config.routing_rules(muon=imported.muon))
+        metadata = {
+            "megatron": {
+                "config": dataclasses.asdict(imported.config),
+                "hyperparameters": _plain(imported.hyperparameters),
+                "args": {
+                    k: v
+                    for k, v in ((k, _plain(v)) for k, v in imported.args.items())
+                    if v is not None
+                },
+                "source": _plain(imported.source),
+                "muon": imported.muon,
+            }
+        }
         report("writing", 2, total)
-        save_logical(config.dst, imported.params, imported.logical, routes, step=imported.iteration,
-                     metadata=metadata, overwrite=config.overwrite)
+        save_logical(
+            config.dst,
+            imported.params,
+            imported.logical,
+            routes,
+            step=imported.iteration,
+            metadata=metadata,
+            overwrite=config.overwrite,
+        )
     elif target == "safetensors":
         report("writing", 2, total)
         save_safetensors(state, config.dst, overwrite=config.overwrite)
     else:
         if gpt is None and source == "megatron":
-            gpt = _gpt_config(state, None, {"num_attention_heads": config.num_attention_heads,
-                                            "num_query_groups": config.num_query_groups})
+            gpt = _gpt_config(
+                state,
+                None,
+                {
+                    "num_attention_heads": config.num_attention_heads,
+                    "num_query_groups": config.num_query_groups,
+                },
+            )
         report("writing", 2, total)
         save_torch_dist(state, config.dst, config=gpt, overwrite=config.overwrite)
     report("done", total, total)
-    return ConvertSummary(source=source, target=target, src=str(config.src), dst=str(config.dst),
-                          iteration=state.iteration, rows=_rows(state),
-                          notes={k: v for k, v in state.source.items() if k != "directory"},
-                          seconds=time.perf_counter() - started)
+    return ConvertSummary(
+        source=source,
+        target=target,
+        src=str(config.src),
+        dst=str(config.dst),
+        iteration=state.iteration,
+        rows=_rows(state),
+        notes={k: v for k, v in state.source.items() if k != "directory"},
+        seconds=time.perf_counter() - started,
+    )

@@ -1,4 +1,5 @@
-"""torch.distributed.checkpoint (DCP) directories: read them with numpy or torch, write them with torch.
+"""torch.distributed.checkpoint (DCP) directories: read them with numpy or torch, write them
+with torch.
 
 A DCP checkpoint directory (Megatron's ``torch_dist`` format) holds:
 
@@ -122,9 +123,18 @@ def read_dcp_index(directory) -> DcpIndex:
                 if info is None:
                     raise ValueError(f"chunk at {offsets} has no storage entry")
                 if getattr(info, "transform_descriptors", None):
-                    raise ValueError(f"chunk at {offsets} uses storage transforms {info.transform_descriptors}")
-                chunks.append(Chunk(offsets, tuple(int(s) for s in chunk.sizes), str(info.relative_path),
-                                    int(info.offset), int(info.length)))
+                    raise ValueError(
+                        f"chunk at {offsets} uses storage transforms {info.transform_descriptors}"
+                    )
+                chunks.append(
+                    Chunk(
+                        offsets,
+                        tuple(int(s) for s in chunk.sizes),
+                        str(info.relative_path),
+                        int(info.offset),
+                        int(info.length),
+                    )
+                )
         except (AttributeError, TypeError, ValueError) as err:
             raise ValueError(f"{meta_path}: tensor {key!r}: {err}.") from None
         tensors[key] = TensorEntry(key, dtype, shape, tuple(chunks))
@@ -140,19 +150,23 @@ class _Files:
 
     def read(self, name: str, start: int, length: int, what: str) -> bytes:
         if os.sep in name or name.startswith(".."):
-            raise ValueError(f"{self.directory}: {what}: storage file {name!r} is outside the checkpoint.")
+            raise ValueError(
+                f"{self.directory}: {what}: storage file {name!r} is outside the checkpoint."
+            )
         if name not in self.handles:
             try:
                 self.handles[name] = open(self.directory / name, "rb")
             except OSError as err:
-                raise ValueError(f"{self.directory / name}: {what}: cannot open: {err.strerror or err}") from None
+                raise ValueError(
+                    f"{self.directory / name}: {what}: cannot open: {err.strerror or err}"
+                ) from None
         f = self.handles[name]
         f.seek(start)
         data = f.read(length)
         if len(data) != length:
             raise ValueError(
-                f"{self.directory / name}: {what}: truncated; expected {length} bytes at offset {start}, "
-                f"got {len(data)}."
+                f"{self.directory / name}: {what}: truncated; expected {length} bytes "
+                f"at offset {start}, got {len(data)}."
             )
         return data
 
@@ -194,7 +208,9 @@ def load_dcp(directory, keys=None) -> dict[str, Any]:
             if key in index.objects:
                 name, start, length = index.objects[key]
                 where = f"{index.directory / name}: {key}"
-                out[key] = _unwrap(load_torch_archive(files.read(name, start, length, key), where=where))
+                out[key] = _unwrap(
+                    load_torch_archive(files.read(name, start, length, key), where=where)
+                )
                 continue
             entry = index.tensors[key]
             dtype = TORCH_DTYPES[entry.dtype]
@@ -205,11 +221,25 @@ def load_dcp(directory, keys=None) -> dict[str, Any]:
                 if len(chunk.offsets) != len(entry.shape) or any(
                     o < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.shape)
                 ):
-                    raise ValueError(f"{where}: chunk {chunk.sizes} lies outside the tensor {entry.shape}.")
-                piece = load_torch_archive(files.read(chunk.file, chunk.start, chunk.length, key), where=where)
-                if not isinstance(piece, np.ndarray) or piece.shape != chunk.sizes or piece.dtype != dtype:
-                    got = (getattr(piece, "shape", type(piece).__name__), getattr(piece, "dtype", None))
-                    raise ValueError(f"{where}: expected a {entry.dtype} array of shape {chunk.sizes}; got {got}.")
+                    raise ValueError(
+                        f"{where}: chunk {chunk.sizes} lies outside the tensor {entry.shape}."
+                    )
+                piece = load_torch_archive(
+                    files.read(chunk.file, chunk.start, chunk.length, key), where=where
+                )
+                if (
+                    not isinstance(piece, np.ndarray)
+                    or piece.shape != chunk.sizes
+                    or piece.dtype != dtype
+                ):
+                    got = (
+                        getattr(piece, "shape", type(piece).__name__),
+                        getattr(piece, "dtype", None),
+                    )
+                    raise ValueError(
+                        f"{where}: expected a {entry.dtype} array of shape {chunk.sizes}; "
+                        f"got {got}."
+                    )
                 region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
                 if covered[region].any():
                     raise ValueError(f"{where}: chunks overlap.")
@@ -217,8 +247,10 @@ def load_dcp(directory, keys=None) -> dict[str, Any]:
                 covered[region] = True
             if not covered.all():
                 missing = int(covered.size - covered.sum())
-                raise ValueError(f"{index.directory}: {key}: chunks leave {missing} of {math.prod(entry.shape)} "
-                                 "elements unwritten; a rank's file is missing from the metadata.")
+                raise ValueError(
+                    f"{index.directory}: {key}: chunks leave {missing} of {math.prod(entry.shape)} "
+                    "elements unwritten; a rank's file is missing from the metadata."
+                )
             out[key] = array
     finally:
         files.close()
@@ -233,13 +265,17 @@ def import_torch(what: str):
     try:
         import torch
     except ImportError:
-        raise ValueError(f"{what} needs torch; install it with pip install 'lwjax[megatron]', "
-                         "or use the numpy reader.") from None
+        raise ValueError(
+            f"{what} needs torch; install it with pip install 'lwjax[megatron]', "
+            "or use the numpy reader."
+        ) from None
     return torch
 
 
 def to_numpy(obj):
-    """Turn torch tensors and dtypes inside ``obj`` into numpy arrays and ``"torch.<name>"`` strings."""
+    """Turn torch tensors and dtypes inside ``obj`` into numpy arrays and ``"torch.<name>"``
+    strings.
+    """
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -312,7 +348,9 @@ def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
             with open(directory / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 data = f.read(info.length)
-            out[key] = _unwrap(torch_load(io.BytesIO(data), where=f"{directory / info.relative_path}: {key}"))
+            out[key] = _unwrap(
+                torch_load(io.BytesIO(data), where=f"{directory / info.relative_path}: {key}")
+            )
         else:
             out[key] = to_numpy(tensors[key])
     return out
@@ -344,10 +382,16 @@ def save_dcp_torch(directory, tensors: dict[str, np.ndarray], objects: dict[str,
 
     for key, value in objects.items():
         if isinstance(value, Opaque):
-            raise ValueError(f"{key}: cannot write an object this reader could not rebuild ({value!r}).")
+            raise ValueError(
+                f"{key}: cannot write an object this reader could not rebuild ({value!r})."
+            )
     state: dict[str, Any] = {key: _to_torch(value) for key, value in tensors.items()}
     state.update({key: [value] for key, value in objects.items()})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True),
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True),
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=True,
+        )

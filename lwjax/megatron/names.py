@@ -1,4 +1,5 @@
-"""Megatron GPT parameter names: per-layer vs stacked keys, definition order, tensor-parallel chunks.
+"""Megatron GPT parameter names: per-layer vs stacked keys, definition order,
+tensor-parallel chunks.
 
 Two namings meet here (pure Python and numpy):
 
@@ -37,25 +38,45 @@ TE_NAMES = {
 # Definition (``named_parameters``) order of one layer's parameters, per layer spec.
 LAYER_ORDER = {
     "local": (
-        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-        "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-        "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-        "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
-        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
-        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+        "self_attention.linear_qkv.layer_norm_weight",
+        "self_attention.linear_qkv.layer_norm_bias",
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_proj.bias",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_qkv.bias",
+        "self_attention.q_layernorm.weight",
+        "self_attention.k_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        "mlp.linear_fc1.layer_norm_bias",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc1.bias",
+        "mlp.linear_fc2.weight",
+        "mlp.linear_fc2.bias",
     ),
     "te": (
-        "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-        "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-        "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
-        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
-        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_proj.bias",
+        "self_attention.linear_qkv.layer_norm_weight",
+        "self_attention.linear_qkv.layer_norm_bias",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_qkv.bias",
+        "self_attention.q_layernorm.weight",
+        "self_attention.k_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        "mlp.linear_fc1.layer_norm_bias",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc1.bias",
+        "mlp.linear_fc2.weight",
+        "mlp.linear_fc2.bias",
     ),
 }
 LAYER_SPECS = tuple(LAYER_ORDER)
 BEFORE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
-AFTER_LAYERS = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+AFTER_LAYERS = (
+    "decoder.final_layernorm.weight",
+    "decoder.final_layernorm.bias",
+    "output_layer.weight",
+)
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -73,10 +94,12 @@ def stacked_key(name: str) -> tuple[str, int | None]:
 
 
 def layer_name(key: str, layer: int | None, spec: str = "te") -> str:
-    """Inverse of :func:`stacked_key`: the ``named_parameters`` name under ``spec`` (``"local"`` or ``"te"``)."""
+    """Inverse of :func:`stacked_key`: the ``named_parameters`` name under ``spec``
+    (``"local"`` or ``"te"``).
+    """
     if layer is None:
         return key
-    rest = key[len(LAYER_PREFIX):]
+    rest = key[len(LAYER_PREFIX) :]
     if spec == "local":
         rest = {te: local for local, te in TE_NAMES.items()}.get(rest, rest)
     return f"{LAYER_PREFIX}{layer}.{rest}"
@@ -87,7 +110,9 @@ def is_layer_key(key: str) -> bool:
     return key.startswith(LAYER_PREFIX) and not _LAYER_RE.match(key)
 
 
-def definition_order(keys: Sequence[str], num_layers: int, spec: str) -> list[tuple[str, int | None]]:
+def definition_order(
+    keys: Sequence[str], num_layers: int, spec: str
+) -> list[tuple[str, int | None]]:
     """``(stacked key, layer)`` of every parameter in Megatron's ``named_parameters`` order.
 
     Args:
@@ -99,15 +124,25 @@ def definition_order(keys: Sequence[str], num_layers: int, spec: str) -> list[tu
       ValueError: a key whose place in the order is unknown.
     """
     layer_rank = {rest: i for i, rest in enumerate(LAYER_ORDER[spec])}
-    unknown = [k for k in keys if (k[len(LAYER_PREFIX):] not in layer_rank if is_layer_key(k)
-                                   else k not in BEFORE_LAYERS + AFTER_LAYERS)]
+    unknown = [
+        k
+        for k in keys
+        if (
+            k[len(LAYER_PREFIX) :] not in layer_rank
+            if is_layer_key(k)
+            else k not in BEFORE_LAYERS + AFTER_LAYERS
+        )
+    ]
     if unknown:
         raise ValueError(
-            f"{unknown[0]}: no known place in a Megatron GPT's parameter order (unknown keys: {unknown}); "
+            f"{unknown[0]}: no known place in a Megatron GPT's parameter order "
+            f"(unknown keys: {unknown}); "
             "the DistributedOptimizer buffer layout cannot be re-derived. Save with "
             "--dist-ckpt-optim-fully-reshardable for per-parameter optimizer keys."
         )
-    layer_keys = sorted((k for k in keys if is_layer_key(k)), key=lambda k: layer_rank[k[len(LAYER_PREFIX):]])
+    layer_keys = sorted(
+        (k for k in keys if is_layer_key(k)), key=lambda k: layer_rank[k[len(LAYER_PREFIX) :]]
+    )
     order = [(k, None) for k in BEFORE_LAYERS if k in keys]
     order += [(k, i) for i in range(num_layers) for k in layer_keys]
     order += [(k, None) for k in AFTER_LAYERS if k in keys]
@@ -115,9 +150,15 @@ def definition_order(keys: Sequence[str], num_layers: int, spec: str) -> list[tu
 
 
 def tp_kind(key: str) -> str:
-    """How tensor parallelism splits a parameter: ``rows``, ``glu``, ``columns``, ``vocab`` or ``replicated``."""
+    """How tensor parallelism splits a parameter: ``rows``, ``glu``, ``columns``, ``vocab``
+    or ``replicated``.
+    """
     base = stacked_key(key)[0]
-    if base.endswith("linear_qkv.weight") or base.endswith("linear_qkv.bias") or base.endswith("linear_fc1.bias"):
+    if (
+        base.endswith("linear_qkv.weight")
+        or base.endswith("linear_qkv.bias")
+        or base.endswith("linear_fc1.bias")
+    ):
         return "rows"
     if base.endswith("linear_fc1.weight"):
         return "glu"
@@ -143,7 +184,9 @@ def tp_shard(key: str, array: np.ndarray, tp: int, rank: int, *, glu: bool = Tru
         _check_divides(key, half, tp, "each GLU half's rows")
         gate, up = array[:half], array[half:]
         size = half // tp
-        return np.concatenate([gate[rank * size:(rank + 1) * size], up[rank * size:(rank + 1) * size]])
+        return np.concatenate(
+            [gate[rank * size : (rank + 1) * size], up[rank * size : (rank + 1) * size]]
+        )
     axis = 1 if kind == "columns" else 0
     _check_divides(key, array.shape[axis], tp, f"dimension {axis}")
     return np.split(array, tp, axis=axis)[rank]
@@ -161,7 +204,10 @@ def tp_merge(key: str, pieces: Sequence[np.ndarray], *, glu: bool = True) -> np.
     if kind == "replicated":
         for rank, piece in enumerate(pieces[1:], 1):
             if piece.shape != pieces[0].shape or piece.tobytes() != pieces[0].tobytes():
-                raise ValueError(f"{key}: a replicated parameter differs between tensor-parallel ranks 0 and {rank}.")
+                raise ValueError(
+                    f"{key}: a replicated parameter differs between tensor-parallel ranks "
+                    f"0 and {rank}."
+                )
         return pieces[0]
     if kind == "glu" and glu:
         halves = [np.split(p, 2, axis=0) for p in pieces]

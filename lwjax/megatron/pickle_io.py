@@ -69,22 +69,34 @@ _STORAGE_DTYPES = {
 }
 # Module prefixes whose unknown classes become inert placeholders instead of errors.
 _OPAQUE_PREFIXES = ("torch", "megatron", "transformer_engine", "apex")
+# What malformed pickle bytes raise inside the unpickler; each becomes a ValueError naming the file.
+UNPICKLING_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    IndexError,
+    KeyError,
+)
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
     ),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
-    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "TensorWriteData", "ReadItem", "LoadPlan"),
+    "torch.distributed.checkpoint.planner": (
+        "SavePlan",
+        "WriteItem",
+        "TensorWriteData",
+        "ReadItem",
+        "LoadPlan",
+    ),
 }
-
-
-def torch_dtype_name(dtype: np.dtype) -> str:
-    """The torch name of a numpy dtype, e.g. ``"torch.bfloat16"``."""
-    for name, value in TORCH_DTYPES.items():
-        if value == np.dtype(dtype):
-            return f"torch.{name}"
-    raise ValueError(f"no torch dtype for numpy dtype {np.dtype(dtype)}.")
 
 
 class Record:
@@ -110,7 +122,9 @@ class Record:
 
 
 class _TensorProperties(Record):
-    """DCP's ``TensorProperties``; pickled as ``(dtype, layout, requires_grad, memory_format, pin_memory)``."""
+    """DCP's ``TensorProperties``; pickled as
+    ``(dtype, layout, requires_grad, memory_format, pin_memory)``.
+    """
 
     _name = "TensorProperties"
 
@@ -168,10 +182,14 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_):
     last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))
     if last >= storage.size or any(s < 0 for s in stride):
         raise pickle.UnpicklingError(
-            f"tensor of {size=}, {stride=} at offset {storage_offset} overruns its storage of {storage.size} elements"
+            f"tensor of {size=}, {stride=} at offset {storage_offset} overruns its storage "
+            f"of {storage.size} elements"
         )
     view = np.lib.stride_tricks.as_strided(
-        storage[storage_offset:], shape=size, strides=[s * storage.itemsize for s in stride], writeable=False
+        storage[storage_offset:],
+        shape=size,
+        strides=[s * storage.itemsize for s in stride],
+        writeable=False,
     )
     return np.array(view, copy=True)
 
@@ -188,7 +206,9 @@ def _rebuild_parameter(data, *_):
 
 def _reconstruct_ndarray(cls, shape, dtype):
     if cls is not np.ndarray:
-        raise pickle.UnpicklingError(f"numpy _reconstruct may only build numpy.ndarray, not {cls!r}")
+        raise pickle.UnpicklingError(
+            f"numpy _reconstruct may only build numpy.ndarray, not {cls!r}"
+        )
     return np.ndarray.__new__(np.ndarray, shape, dtype)
 
 
@@ -254,7 +274,8 @@ for _module, _names in _DCP_CLASSES.items():
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """A ``pickle.Unpickler`` that resolves globals through an allow-list (see the module docstring).
+    """A ``pickle.Unpickler`` that resolves globals through an allow-list
+    (see the module docstring).
 
     Args:
       file: A binary file object.
@@ -283,8 +304,9 @@ class RestrictedUnpickler(pickle.Unpickler):
                 self._opaque[qualified] = type(name, (Opaque,), {"global_name": qualified})
             return self._opaque[qualified]
         raise pickle.UnpicklingError(
-            f"{self._where}: refusing to unpickle global {module}.{name}; a Megatron checkpoint holds only "
-            "tensors, containers, argparse.Namespace and torch/Megatron classes."
+            f"{self._where}: refusing to unpickle global {module}.{name}; "
+            "a Megatron checkpoint holds only tensors, containers, argparse.Namespace and "
+            "torch/Megatron classes."
         )
 
     def persistent_load(self, pid):
@@ -292,9 +314,13 @@ class RestrictedUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"{self._where}: unsupported persistent id {pid!r}")
         _, storage_type, key, _location, numel = pid[:5]
         if not isinstance(storage_type, _StorageType):
-            raise pickle.UnpicklingError(f"{self._where}: persistent id {pid!r} names no storage type")
+            raise pickle.UnpicklingError(
+                f"{self._where}: persistent id {pid!r} names no storage type"
+            )
         if self._storages is None:
-            raise pickle.UnpicklingError(f"{self._where}: a tensor storage outside a torch.save archive")
+            raise pickle.UnpicklingError(
+                f"{self._where}: a tensor storage outside a torch.save archive"
+            )
         return self._storages(str(key), storage_type.dtype, int(numel))
 
 
@@ -306,14 +332,16 @@ def loads(data: bytes, *, where: str = "pickle") -> Any:
     """
     try:
         return RestrictedUnpickler(io.BytesIO(data), where=where).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
+    except UNPICKLING_ERRORS as err:
         raise ValueError(f"{where}: cannot unpickle: {err}") from None
 
 
 def _archive_prefix(archive: zipfile.ZipFile, where: str) -> str:
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
-        raise ValueError(f"{where}: expected one <name>/data.pkl in a torch.save archive; found {pickles}.")
+        raise ValueError(
+            f"{where}: expected one <name>/data.pkl in a torch.save archive; found {pickles}."
+        )
     return pickles[0][: -len("data.pkl")]
 
 
@@ -339,12 +367,15 @@ def load_torch_archive(data: bytes | io.IOBase, *, where: str = "archive") -> An
         archive = zipfile.ZipFile(fileobj)
     except (zipfile.BadZipFile, OSError, ValueError) as err:
         raise ValueError(
-            f"{where}: not a torch.save zip archive ({err}); files from torch < 1.6 need reader='torch'."
+            f"{where}: not a torch.save zip archive ({err}); "
+            "files from torch < 1.6 need reader='torch'."
         ) from None
     with archive:
         prefix = _archive_prefix(archive, where)
         names = set(archive.namelist())
-        big_endian = f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder").strip() == b"big"
+        big_endian = (
+            f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder").strip() == b"big"
+        )
         cache: dict[str, np.ndarray] = {}
 
         def storage(key: str, dtype_name: str, numel: int) -> np.ndarray:
@@ -367,12 +398,14 @@ def load_torch_archive(data: bytes | io.IOBase, *, where: str = "archive") -> An
             return RestrictedUnpickler(pickled, storages=storage, where=where).load()
         except (zipfile.BadZipFile, KeyError, OSError) as err:
             raise ValueError(f"{where}: damaged torch.save archive: {err}") from None
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
+        except UNPICKLING_ERRORS as err:  # (KeyError: a damaged archive, above)
             raise ValueError(f"{where}: cannot unpickle: {err}") from None
 
 
 def load_torch_file(path) -> Any:
-    """Load a ``torch.save`` file (e.g. ``model_optim_rng.pt``) without torch; see :func:`load_torch_archive`."""
+    """Load a ``torch.save`` file (e.g. ``model_optim_rng.pt``) without torch;
+    see :func:`load_torch_archive`.
+    """
     try:
         with open(path, "rb") as f:
             return load_torch_archive(f, where=str(path))

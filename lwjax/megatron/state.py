@@ -16,7 +16,7 @@ Formats (one iteration directory, ``iter_XXXXXXX/``):
   by integer parameter ids).
 
 Flat buffers do not store their layout. It is re-derived with
-:func:`lwjax.policies.compute_distributed_optimizer_layout` over the buffer's
+:func:`lwjax.elementwise_layout.compute_distributed_optimizer_layout` over the buffer's
 parameters in definition order (for each tensor-parallel rank, with its local
 shapes); the layer spec (local or Transformer Engine, which order parameters
 differently) is the one whose unflattened masters round exactly to the stored
@@ -37,27 +37,38 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lwjax.elementwise_layout import compute_distributed_optimizer_layout
 from lwjax.layout import ParamSpec
 from lwjax.megatron import names as names_lib
 from lwjax.megatron.dcp import load_dcp, load_dcp_torch, torch_load
 from lwjax.megatron.pickle_io import TORCH_DTYPES, load_torch_file
-from lwjax.policies import compute_distributed_optimizer_layout, ping_pong_ownership
+from lwjax.megatron.ping_pong import ping_pong_ownership
 from lwjax.routing import is_embedding_or_output
 
 READERS = ("numpy", "torch")
 Reader = Literal["numpy", "torch"]
-STATE_KINDS = {"fp32_param": "masters", "param": "masters", "momentum_buffer": "momentum",
-               "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-_STATE_RE = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\."
-                       r"(fp32_param|param|momentum_buffer|exp_avg|exp_avg_sq)\.(.+)$")
-_FLAT_RE = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
-                      r"dtype_\((.+?), (.+?)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+STATE_KINDS = {
+    "fp32_param": "masters",
+    "param": "masters",
+    "momentum_buffer": "momentum",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+}
+_STATE_RE = re.compile(
+    r"^(?:chained_\d+\.)?optimizer\.state\."
+    r"(fp32_param|param|momentum_buffer|exp_avg|exp_avg_sq)\.(.+)$"
+)
+_FLAT_RE = re.compile(
+    r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+    r"dtype_\((.+?), (.+?)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$"
+)
 _FLAT_KINDS = {"param": "masters", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 @dataclasses.dataclass
 class MegatronState:
-    """A Megatron GPT checkpoint as global per-parameter arrays, whatever its format and parallelism.
+    """A Megatron GPT checkpoint as global per-parameter arrays, whatever its format and
+    parallelism.
 
     Keys are the ``torch_dist`` model keys (stacked layers, TE names), in
     definition order.
@@ -88,11 +99,14 @@ class MegatronState:
 
 
 def _is_iteration_dir(path: pathlib.Path) -> bool:
-    return (path / ".metadata").exists() or any(p.name.startswith("mp_rank_") for p in path.iterdir())
+    return (path / ".metadata").exists() or any(
+        p.name.startswith("mp_rank_") for p in path.iterdir()
+    )
 
 
 def locate_iteration(path, iteration: int | None = None) -> pathlib.Path:
-    """The iteration directory of a Megatron checkpoint (``latest_checkpointed_iteration.txt`` unless given).
+    """The iteration directory of a Megatron checkpoint
+    (``latest_checkpointed_iteration.txt`` unless given).
 
     Raises:
       ValueError: no such directory, or nothing that looks like a Megatron checkpoint.
@@ -104,12 +118,16 @@ def locate_iteration(path, iteration: int | None = None) -> pathlib.Path:
         found = path / f"iter_{int(iteration):07d}"
         if not found.is_dir():
             have = sorted(p.name for p in path.glob("iter_*"))
-            raise ValueError(f"{path}: no iteration {iteration} (iter_{int(iteration):07d}); found {have}.")
+            raise ValueError(
+                f"{path}: no iteration {iteration} (iter_{int(iteration):07d}); found {have}."
+            )
         return found
     tracker = path / "latest_checkpointed_iteration.txt"
     if tracker.exists():
         text = tracker.read_text().strip()
-        found = path / ("release" if text == "release" else f"iter_{int(text):07d}") if text else None
+        found = (
+            path / ("release" if text == "release" else f"iter_{int(text):07d}") if text else None
+        )
         if found is None or not found.is_dir():
             raise ValueError(f"{tracker}: names iteration {text!r}, whose directory is missing.")
         return found
@@ -117,13 +135,19 @@ def locate_iteration(path, iteration: int | None = None) -> pathlib.Path:
         return path
     candidates = sorted(p for p in path.glob("iter_*") if p.is_dir())
     if not candidates:
-        raise ValueError(f"{path}: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, iter_*/, "
-                         ".metadata or mp_rank_*/).")
+        raise ValueError(
+            f"{path}: not a Megatron checkpoint (no latest_checkpointed_iteration.txt, iter_*/, "
+            ".metadata or mp_rank_*/)."
+        )
     return candidates[-1]
 
 
 def _as_dict(obj) -> dict:
-    return dict(vars(obj)) if hasattr(obj, "__dict__") and not isinstance(obj, dict) else dict(obj or {})
+    return (
+        dict(vars(obj))
+        if hasattr(obj, "__dict__") and not isinstance(obj, dict)
+        else dict(obj or {})
+    )
 
 
 def _param_groups(obj) -> list[dict]:
@@ -151,7 +175,16 @@ def _hyperparameters(groups: Sequence[Mapping]) -> tuple[dict, int | None]:
         if kind is None:
             continue
         entry = hyper.setdefault(kind, {})
-        for name in ("lr", "max_lr", "min_lr", "weight_decay", "betas", "eps", "momentum", "nesterov"):
+        for name in (
+            "lr",
+            "max_lr",
+            "min_lr",
+            "weight_decay",
+            "betas",
+            "eps",
+            "momentum",
+            "nesterov",
+        ):
             if name in group and name not in entry:
                 entry[name] = group[name]
         if kind == "adam" and group.get("step") is not None:
@@ -167,7 +200,9 @@ def _rounds_to(master: np.ndarray, model: np.ndarray) -> bool:
     return master.shape == model.shape and _same_bits(master.astype(model.dtype), model)
 
 
-def _stack(per_layer: dict[tuple[str, int | None], np.ndarray], model: Mapping[str, np.ndarray]) -> dict:
+def _stack(
+    per_layer: dict[tuple[str, int | None], np.ndarray], model: Mapping[str, np.ndarray]
+) -> dict:
     """Stack ``(key, layer) -> array`` into model keys; skip keys with no entries."""
     out = {}
     for key, weight in model.items():
@@ -239,50 +274,82 @@ def _unflatten(
             dtype = gbuf_dtypes[gbuf]
             mine = [(k, i) for k, i in members if model[k].dtype.name == dtype]
             specs = [
-                ParamSpec(name=f"{k}#{i}", dtype=dtype,
-                          shape=names_lib.tp_local_shape(k, per_layer_model[(k, i)].shape, tp),
-                          is_shared_embedding=bool(args.get("share_embeddings_and_output_weights"))
-                          and k == "embedding.word_embeddings.weight")
+                ParamSpec(
+                    name=f"{k}#{i}",
+                    dtype=dtype,
+                    shape=names_lib.tp_local_shape(k, per_layer_model[(k, i)].shape, tp),
+                    is_shared_embedding=bool(args.get("share_embeddings_and_output_weights"))
+                    and k == "embedding.word_embeddings.weight",
+                )
                 for k, i in mine
             ]
             sizes = [next(iter(b.values())).size for b in buckets]
-            layout = compute_distributed_optimizer_layout(specs, 1, bucket_size=_bucket_size_for(sizes, args))
+            layout = compute_distributed_optimizer_layout(
+                specs, 1, bucket_size=_bucket_size_for(sizes, args)
+            )
             if list(layout.per_bucket_numel_unpadded) != sizes:
-                problem = (f"buffer {gbuf} of tensor-parallel rank {rank}: re-derived bucket sizes "
-                           f"{list(layout.per_bucket_numel_unpadded)} differ from the stored {sizes}")
+                problem = (
+                    f"buffer {gbuf} of tensor-parallel rank {rank}: re-derived bucket sizes "
+                    f"{list(layout.per_bucket_numel_unpadded)} differ from the stored {sizes}"
+                )
                 break
             for spec, (k, i) in zip(specs, mine):
                 start, end, bucket = layout.param_index_map[spec.name]
                 offset = layout.bucket_indices[bucket][0]
                 for kind, flat in buckets[bucket].items():
-                    piece = flat[start - offset:end - offset].reshape(spec.shape)
+                    piece = flat[start - offset : end - offset].reshape(spec.shape)
                     pieces[_FLAT_KINDS[kind]].setdefault((k, i), [None] * tp)[rank] = piece
         if problem is None:
-            merged = {kind: {ki: names_lib.tp_merge(ki[0], parts, glu=glu) for ki, parts in per.items()
-                             if all(p is not None for p in parts)} for kind, per in pieces.items()}
-            bad = [f"{k}[{i}]" for (k, i), m in merged["masters"].items() if not _rounds_to(m, per_layer_model[(k, i)])]
+            merged = {
+                kind: {
+                    ki: names_lib.tp_merge(ki[0], parts, glu=glu)
+                    for ki, parts in per.items()
+                    if all(p is not None for p in parts)
+                }
+                for kind, per in pieces.items()
+            }
+            bad = [
+                f"{k}[{i}]"
+                for (k, i), m in merged["masters"].items()
+                if not _rounds_to(m, per_layer_model[(k, i)])
+            ]
             if not merged["masters"]:
                 problem = "the buffers hold no fp32 'param' entries to check the layout against"
             elif bad:
-                problem = f"masters do not round to the model weights for {bad[:4]}{'...' if len(bad) > 4 else ''}"
+                problem = (
+                    "masters do not round to the model weights for "
+                    f"{bad[:4]}{'...' if len(bad) > 4 else ''}"
+                )
             else:
                 return {kind: _stack(per, model) for kind, per in merged.items()}, order_name
         failures.append(f"{order_name} order: {problem}")
-    raise ValueError(f"{where}: cannot re-derive the DistributedOptimizer flat-buffer layout; "
-                     + "; ".join(failures) + ".")
+    raise ValueError(
+        f"{where}: cannot re-derive the DistributedOptimizer flat-buffer layout; "
+        + "; ".join(failures)
+        + "."
+    )
 
 
 def _flat_orders(model: Mapping[str, np.ndarray]) -> dict[str, list[tuple[str, int | None]]]:
     layers = {w.shape[0] for k, w in model.items() if names_lib.is_layer_key(k)}
     num_layers = layers.pop() if len(layers) == 1 else 0
-    return {spec: names_lib.definition_order(list(model), num_layers, spec) for spec in names_lib.LAYER_SPECS}
+    return {
+        spec: names_lib.definition_order(list(model), num_layers, spec)
+        for spec in names_lib.LAYER_SPECS
+    }
 
 
 def _check_masters(state: dict, where: str) -> None:
-    bad = [k for k, m in state["masters"].items() if k in state["model"] and not _rounds_to(m, state["model"][k])]
+    bad = [
+        k
+        for k, m in state["masters"].items()
+        if k in state["model"] and not _rounds_to(m, state["model"][k])
+    ]
     if bad:
-        raise ValueError(f"{where}: fp32 masters do not round to the stored model weights for {bad}; "
-                         "the optimizer state does not belong to these weights.")
+        raise ValueError(
+            f"{where}: fp32 masters do not round to the stored model weights for {bad}; "
+            "the optimizer state does not belong to these weights."
+        )
 
 
 def _read_torch_dist(directory: pathlib.Path, reader: Reader) -> dict:
@@ -293,21 +360,30 @@ def _read_torch_dist(directory: pathlib.Path, reader: Reader) -> dict:
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{meta_json}: unreadable: {err}") from None
         if backend not in (None, "torch_dist"):
-            raise ValueError(f"{meta_json}: sharded_backend is {backend!r}; only 'torch_dist' is supported.")
+            raise ValueError(
+                f"{meta_json}: sharded_backend is {backend!r}; only 'torch_dist' is supported."
+            )
     raw = load_dcp(directory) if reader == "numpy" else load_dcp_torch(directory)
     common_keys = [k for k in raw if k.startswith("common_state/")]
     if common_keys:
         common = raw[common_keys[0]]
     elif (directory / "common.pt").exists():
         path = directory / "common.pt"
-        common = load_torch_file(path) if reader == "numpy" else torch_load(str(path), where=str(path))
+        common = (
+            load_torch_file(path) if reader == "numpy" else torch_load(str(path), where=str(path))
+        )
     else:
         common = {}
     if not isinstance(common, Mapping):
         raise ValueError(f"{directory}: the common state is a {type(common).__name__}, not a dict.")
     args = _as_dict(common.get("args"))
-    model = {k: v for k, v in raw.items() if isinstance(v, np.ndarray) and "/" not in k
-             and not k.startswith(("optimizer.", "chained_"))}
+    model = {
+        k: v
+        for k, v in raw.items()
+        if isinstance(v, np.ndarray)
+        and "/" not in k
+        and not k.startswith(("optimizer.", "chained_"))
+    }
     state = {"model": model, "masters": {}, "momentum": {}, "exp_avg": {}, "exp_avg_sq": {}}
     buffers: dict[tuple[int, int], dict[int, dict[str, np.ndarray]]] = {}
     gbuf_dtypes: dict[int, str] = {}
@@ -315,32 +391,54 @@ def _read_torch_dist(directory: pathlib.Path, reader: Reader) -> dict:
         if (m := _STATE_RE.match(key)) is not None:
             kind, param = m.groups()
             if param not in model:
-                raise ValueError(f"{directory}: {key}: optimizer state for a parameter the model does not have.")
+                raise ValueError(
+                    f"{directory}: {key}: optimizer state for a parameter the model does not have."
+                )
             state[STATE_KINDS[kind]][param] = value
         elif (m := _FLAT_RE.match(key)) is not None:
             rank, gbuf, param_dtype, _grad_dtype, bucket, kind = m.groups()
             gbuf_dtypes[int(gbuf)] = TORCH_DTYPES[param_dtype.removeprefix("torch.")].name
             buffers.setdefault((int(rank), int(gbuf)), {}).setdefault(int(bucket), {})[kind] = value
     groups = _param_groups(common.get("optimizer")) + _param_groups(
-        [v for k, v in raw.items() if re.search(r"\.optimizer/shard_", k)])
+        [v for k, v in raw.items() if re.search(r"\.optimizer/shard_", k)]
+    )
     sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     source = {"format": "torch_dist", "optimizer_sharding": sharding}
     if buffers:
         tp = int(args.get("tensor_model_parallel_size") or len({r for r, _ in buffers}))
         if int(args.get("pipeline_model_parallel_size") or 1) > 1:
-            raise ValueError(f"{directory}: flat (dp_reshardable) optimizer buffers of a pipeline-parallel run "
-                             "are not supported; save with --dist-ckpt-optim-fully-reshardable.")
+            raise ValueError(
+                f"{directory}: flat (dp_reshardable) optimizer buffers of a pipeline-parallel run "
+                "are not supported; save with --dist-ckpt-optim-fully-reshardable."
+            )
         if sorted({r for r, _ in buffers}) != list(range(tp)):
-            raise ValueError(f"{directory}: flat optimizer buffers for dp groups {sorted({r for r, _ in buffers})}; "
-                             f"expected one per tensor-parallel rank 0..{tp - 1}.")
+            raise ValueError(
+                f"{directory}: flat optimizer buffers for dp groups "
+                f"{sorted({r for r, _ in buffers})}; "
+                f"expected one per tensor-parallel rank 0..{tp - 1}."
+            )
         ordered = {rg: [b[i] for i in sorted(b)] for rg, b in buffers.items()}
-        flat, order_name = _unflatten(ordered, gbuf_dtypes, model, _flat_orders(model), set(state["momentum"]),
-                                      tp, args, str(directory))
+        flat, order_name = _unflatten(
+            ordered,
+            gbuf_dtypes,
+            model,
+            _flat_orders(model),
+            set(state["momentum"]),
+            tp,
+            args,
+            str(directory),
+        )
         for kind, values in flat.items():
             state[kind].update(values)
         source.update(tp=tp, layer_spec=order_name)
-    return {**state, "common": common, "args": args, "groups": groups, "source": source,
-            "iteration": common.get("iteration")}
+    return {
+        **state,
+        "common": common,
+        "args": args,
+        "groups": groups,
+        "source": source,
+        "iteration": common.get("iteration"),
+    }
 
 
 _RANK_DIR_RE = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
@@ -352,10 +450,16 @@ def _no_weight_decay(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def _children_of(obj) -> list:
-    """Child optimizer dicts that hold per-parameter state (a DistributedOptimizer's keep theirs elsewhere)."""
+    """Child optimizer dicts that hold per-parameter state
+    (a DistributedOptimizer's keep theirs elsewhere).
+    """
     children = obj if isinstance(obj, list) else [obj] if isinstance(obj, Mapping) else []
-    return [c for c in children if isinstance(c, Mapping) and (c.get("fp32_from_fp16_params")
-                                                               or (c.get("optimizer") or {}).get("state"))]
+    return [
+        c
+        for c in children
+        if isinstance(c, Mapping)
+        and (c.get("fp32_from_fp16_params") or (c.get("optimizer") or {}).get("state"))
+    ]
 
 
 def _child_pools(children: list, names: list[tuple[str, tuple[int, ...]]]) -> list[list[list[str]]]:
@@ -369,14 +473,28 @@ def _child_pools(children: list, names: list[tuple[str, tuple[int, ...]]]) -> li
     for child in children:
         groups = child.get("optimizer", {}).get("param_groups", [])
         is_muon = any("momentum" in g and "betas" not in g for g in groups)
-        mine = [(n, s) for n, s in names if (len(s) == 2 and not is_embedding_or_output(n)) == is_muon]
-        pools.append([[n for n, s in mine if _no_weight_decay(n, s) != (float(g.get("wd_mult", 1.0)) != 0.0)]
-                      for g in groups])
+        mine = [
+            (n, s) for n, s in names if (len(s) == 2 and not is_embedding_or_output(n)) == is_muon
+        ]
+        pools.append(
+            [
+                [
+                    n
+                    for n, s in mine
+                    if _no_weight_decay(n, s) != (float(g.get("wd_mult", 1.0)) != 0.0)
+                ]
+                for g in groups
+            ]
+        )
     return pools
 
 
-def _name_children(children: list, pools: list[list[list[str]]], owned: set[str] | None, where: str) -> dict:
-    """Per parameter name, its fp32 master and optimizer state from child optimizers keyed by integer ids."""
+def _name_children(
+    children: list, pools: list[list[list[str]]], owned: set[str] | None, where: str
+) -> dict:
+    """Per parameter name, its fp32 master and optimizer state from child optimizers keyed
+    by integer ids.
+    """
     out: dict[str, dict[str, np.ndarray]] = {}
     for c, (child, child_pools) in enumerate(zip(children, pools)):
         inner = child.get("optimizer", {})
@@ -386,8 +504,10 @@ def _name_children(children: list, pools: list[list[list[str]]], owned: set[str]
             ids = list(group.get("params", []))
             fit = [n for n in pool if owned is None or n in owned]
             if len(fit) != len(ids) or len(masters[g]) != len(ids):
-                raise ValueError(f"{where}: child optimizer {c} group {g} has {len(ids)} parameters "
-                                 f"({len(masters[g])} masters); the model has {len(fit)} that fit it.")
+                raise ValueError(
+                    f"{where}: child optimizer {c} group {g} has {len(ids)} parameters "
+                    f"({len(masters[g])} masters); the model has {len(fit)} that fit it."
+                )
             for name, pid, master in zip(fit, ids, masters[g]):
                 entry = {"masters": master}
                 for kind, value in (state.get(pid) or {}).items():
@@ -405,12 +525,17 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
     for path in sorted(directory.iterdir()):
         if (m := _RANK_DIR_RE.match(path.name)) is not None:
             if (m.group(2) and int(m.group(2))) or m.group(3) is not None:
-                raise ValueError(f"{path}: pipeline- or expert-parallel legacy checkpoints are not supported; "
-                                 "convert to torch_dist or PP=1 with Megatron's tools/checkpoint first.")
+                raise ValueError(
+                    f"{path}: pipeline- or expert-parallel legacy checkpoints are not supported; "
+                    "convert to torch_dist or PP=1 with Megatron's tools/checkpoint first."
+                )
             rank_dirs[int(m.group(1))] = path
     tp = len(rank_dirs)
     if sorted(rank_dirs) != list(range(tp)):
-        raise ValueError(f"{directory}: tensor-parallel rank directories {sorted(rank_dirs)} are not 0..{tp - 1}.")
+        raise ValueError(
+            f"{directory}: tensor-parallel rank directories {sorted(rank_dirs)} "
+            f"are not 0..{tp - 1}."
+        )
     main = [load(rank_dirs[r] / "model_optim_rng.pt") for r in range(tp)]
     for r, obj in enumerate(main):
         if not isinstance(obj, Mapping) or not isinstance(obj.get("model"), Mapping):
@@ -422,7 +547,9 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
     for n in order:
         if any(lm[n] is None for lm in local):
             raise ValueError(f"{directory}: {n} is missing on some tensor-parallel ranks.")
-        per_layer[names_lib.stacked_key(n)] = names_lib.tp_merge(n, [lm[n] for lm in local], glu=_is_glu(args))
+        per_layer[names_lib.stacked_key(n)] = names_lib.tp_merge(
+            n, [lm[n] for lm in local], glu=_is_glu(args)
+        )
     model: dict[str, np.ndarray] = {}
     for key, layer in per_layer:
         if layer is None:
@@ -430,7 +557,9 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
         elif key not in model:
             count = 1 + max(i for k, i in per_layer if k == key and i is not None)
             if any((key, i) not in per_layer for i in range(count)):
-                raise ValueError(f"{directory}: {key}: some layers are missing from the model state dict.")
+                raise ValueError(
+                    f"{directory}: {key}: some layers are missing from the model state dict."
+                )
             model[key] = np.stack([per_layer[(key, i)] for i in range(count)])
     state = {"model": model, "masters": {}, "momentum": {}, "exp_avg": {}, "exp_avg_sq": {}}
     source = {"format": "torch", "tp": tp}
@@ -439,7 +568,9 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
     distrib = [rank_dirs[r] / "distrib_optim.pt" for r in range(tp)]
     if lw_files or not all(p.exists() for p in distrib):
         dp = len(lw_files) or 1
-        collected: dict[str, dict[tuple, list]] = {k: {} for k in ("masters", "momentum", "exp_avg", "exp_avg_sq")}
+        collected: dict[str, dict[tuple, list]] = {
+            k: {} for k in ("masters", "momentum", "exp_avg", "exp_avg_sq")
+        }
         for r in range(tp):
             names = [(n, tuple(local[r][n].shape)) for n in order]
             for d in range(dp):
@@ -447,26 +578,40 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
                 path = rank_dirs[r] / name
                 children = _children_of(load(path) if lw_files else main[r].get("optimizer"))
                 if not children:
-                    return {**state, "common": main[0], "args": args, "groups": [], "source": source,
-                            "iteration": main[0].get("iteration")}
+                    return {
+                        **state,
+                        "common": main[0],
+                        "args": args,
+                        "groups": [],
+                        "source": source,
+                        "iteration": main[0].get("iteration"),
+                    }
                 pools = _child_pools(children, names)
                 owned = None
                 if dp > 1:
                     shape_of = dict(names)
-                    groups = [(False, [ParamSpec(n, shape_of[n]) for n in pool]) for child in pools for pool in child]
+                    groups = [
+                        (False, [ParamSpec(n, shape_of[n]) for n in pool])
+                        for child in pools
+                        for pool in child
+                    ]
                     owned = set(ping_pong_ownership(groups, dp)[0][d])
                 for name, entry in _name_children(children, pools, owned, str(path)).items():
                     for kind, value in entry.items():
                         if kind == "step":
                             steps.append(int(float(np.asarray(value))))
                         else:
-                            collected[kind].setdefault(names_lib.stacked_key(name), [None] * tp)[r] = value
+                            collected[kind].setdefault(names_lib.stacked_key(name), [None] * tp)[
+                                r
+                            ] = value
         for kind, per in collected.items():
             merged = {}
             for (key, layer), parts in per.items():
                 if any(p is None for p in parts):
-                    raise ValueError(f"{directory}: {names_lib.layer_name(key, layer)}: {kind} is missing on "
-                                     "some tensor-parallel ranks.")
+                    raise ValueError(
+                        f"{directory}: {names_lib.layer_name(key, layer)}: {kind} is missing on "
+                        "some tensor-parallel ranks."
+                    )
                 merged[(key, layer)] = names_lib.tp_merge(key, parts, glu=_is_glu(args))
             state[kind] = _stack(merged, model)
         source["optimizer_sharding"] = "layer_wise" if lw_files else "per_parameter"
@@ -483,8 +628,15 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
         for kind, values in flat.items():
             state[kind].update(values)
         source["optimizer_sharding"] = "distrib_optim"
-    return {**state, "common": main[0], "args": args, "groups": _param_groups(main[0].get("optimizer")),
-            "source": source, "iteration": main[0].get("iteration"), "steps": steps}
+    return {
+        **state,
+        "common": main[0],
+        "args": args,
+        "groups": _param_groups(main[0].get("optimizer")),
+        "source": source,
+        "iteration": main[0].get("iteration"),
+        "steps": steps,
+    }
 
 
 def read_megatron(
@@ -518,15 +670,24 @@ def read_megatron(
         raise ValueError(f"{directory}: the checkpoint holds no model weights.")
     for key, weight in state["model"].items():
         if not np.issubdtype(weight.dtype, np.floating) and weight.dtype.name != "bfloat16":
-            raise ValueError(f"{directory}: {key}: model weights must be floating point; got {weight.dtype}.")
+            raise ValueError(
+                f"{directory}: {key}: model weights must be floating point; got {weight.dtype}."
+            )
     for kind in ("masters", "momentum", "exp_avg", "exp_avg_sq"):
         for key, value in state[kind].items():
             if value.shape != state["model"][key].shape:
-                raise ValueError(f"{directory}: {key}: {kind} shape {value.shape} differs from the model's "
-                                 f"{state['model'][key].shape}.")
+                raise ValueError(
+                    f"{directory}: {key}: {kind} shape {value.shape} differs from the model's "
+                    f"{state['model'][key].shape}."
+                )
     if verify:
         _check_masters(state, str(directory))
-    for kind in ("masters", "momentum", "exp_avg", "exp_avg_sq"):  # every table in model (definition) order
+    for kind in (
+        "masters",
+        "momentum",
+        "exp_avg",
+        "exp_avg_sq",
+    ):  # every table in model (definition) order
         state[kind] = {k: state[kind][k] for k in state["model"] if k in state[kind]}
     hyper, adam_step = _hyperparameters(state["groups"])
     if adam_step is None and state.get("steps"):

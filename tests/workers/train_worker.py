@@ -1,11 +1,13 @@
-"""A worker for the multi-process tests: a small residual-MLP language model on random tokens, trained with lwjax.
+r"""A worker for the multi-process tests: a small residual-MLP language model on random
+tokens, trained with lwjax.
 
 Run it directly (one process, ``LWJAX_CPU_DEVICES`` devices) or under
 ``lwjax launch`` (several processes; every process loads only its rows of each
 global batch). The test imports it too, for the single-process reference and
 to restore the checkpoint it writes.
 
-    lwjax launch --nproc 2 --devices-per-proc 4 -- python tests/workers/train_worker.py --steps 3 --out DIR
+    lwjax launch --nproc 2 --devices-per-proc 4 -- \
+        python tests/workers/train_worker.py --steps 3 --out DIR
 
 Writes (process 0) ``DIR/result.npz``: parameters and the logical optimizer
 state, gathered from every process; with ``--save``, the lwjax checkpoint
@@ -25,6 +27,8 @@ import time
 
 import numpy as np
 
+from lwjax import LayoutConfig
+
 GLOBAL_BATCH = 32
 SEQ_LEN = 8
 VOCAB = 64
@@ -38,11 +42,18 @@ def make_params(seed: int = 0) -> dict:
     """Host (numpy) parameters, the same on every process."""
     rng = np.random.default_rng(seed)
     w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
-    params = {"embed": {"embedding": w(VOCAB, WIDTH)}, "head": {"kernel": w(WIDTH, VOCAB)},
-              "norm": {"scale": np.ones(WIDTH, np.float32)}}
+    params = {
+        "embed": {"embedding": w(VOCAB, WIDTH)},
+        "head": {"kernel": w(WIDTH, VOCAB)},
+        "norm": {"scale": np.ones(WIDTH, np.float32)},
+    }
     for i in range(LAYERS):
-        params[f"layer{i}"] = {"up": w(WIDTH, HIDDEN), "down": w(HIDDEN, WIDTH), "b_up": np.zeros(HIDDEN, np.float32),
-                               "ln": {"scale": np.ones(WIDTH, np.float32)}}
+        params[f"layer{i}"] = {
+            "up": w(WIDTH, HIDDEN),
+            "down": w(HIDDEN, WIDTH),
+            "b_up": np.zeros(HIDDEN, np.float32),
+            "ln": {"scale": np.ones(WIDTH, np.float32)},
+        }
     return params
 
 
@@ -74,9 +85,14 @@ def make_optimizer(params, mesh):
     from lwjax.optimizer import OptimizerConfig
 
     return lwjax.layerwise_muon(
-        params, mesh, learning_rate=0.02,
-        muon=lwjax.MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2),
-        config=OptimizerConfig(weight_decay=0.1, clip_grad=1.0), bucket_size=4096,
+        params,
+        mesh,
+        learning_rate=0.02,
+        muon=lwjax.MuonConfig(
+            momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2
+        ),
+        config=OptimizerConfig(weight_decay=0.1, clip_grad=1.0),
+        layout=LayoutConfig(bucket_size=4096),
     )
 
 
@@ -84,11 +100,22 @@ def flat(tree) -> dict:
     """``{key path: leaf}`` of a pytree, ``None`` leaves dropped."""
     import jax
 
-    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
-def train(mesh, steps: int, *, die_after: int | None = None, die_process: int = 1, die_how: str = "exit",
-          hang_process: int | None = None, log=print):
+def train(
+    mesh,
+    steps: int,
+    *,
+    die_after: int | None = None,
+    die_process: int = 1,
+    die_how: str = "exit",
+    hang_process: int | None = None,
+    log=print,
+):
     """Train ``steps`` steps on ``mesh``; return ``(optimizer, params, state, losses)``.
 
     Each process loads only its rows of each global batch (``process_rows``).
@@ -122,18 +149,30 @@ def train(mesh, steps: int, *, die_after: int | None = None, die_process: int = 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--save", action="store_true")
-    p.add_argument("--restore", default=None, metavar="CKPT",
-                   help="also restore this checkpoint on the job's mesh and write DIR/restored.npz")
+    p.add_argument(
+        "--restore",
+        default=None,
+        metavar="CKPT",
+        help="also restore this checkpoint on the job's mesh and write DIR/restored.npz",
+    )
     p.add_argument("--die-after", type=int, default=None)
     p.add_argument("--die-process", type=int, default=1)
-    p.add_argument("--die-how", choices=("exit", "raise"), default="exit",
-                   help="os._exit(1) (a crash) or an uncaught exception")
-    p.add_argument("--hang-process", type=int, default=None,
-                   help="this process sleeps (outside any collective) after step --die-after")
+    p.add_argument(
+        "--die-how",
+        choices=("exit", "raise"),
+        default="exit",
+        help="os._exit(1) (a crash) or an uncaught exception",
+    )
+    p.add_argument(
+        "--hang-process",
+        type=int,
+        default=None,
+        help="this process sleeps (outside any collective) after step --die-after",
+    )
     args = p.parse_args(argv)
 
     from lwjax import distributed
@@ -143,14 +182,23 @@ def main(argv=None) -> int:
     import jax
 
     from lwjax import checkpoint
-    from lwjax.optimizer import to_logical
+    from lwjax.logical import to_logical
 
     mesh = distributed.global_mesh()
-    print(f"process {info.process_id}/{info.num_processes}: {jax.local_device_count()} local, "
-          f"{jax.device_count()} global devices, init {time.perf_counter() - start:.2f}s", flush=True)
-    optimizer, params, state, losses = train(mesh, args.steps, die_after=args.die_after,
-                                             die_process=args.die_process, die_how=args.die_how,
-                                             hang_process=args.hang_process, log=lambda s: print(s, flush=True))
+    print(
+        f"process {info.process_id}/{info.num_processes}: {jax.local_device_count()} local, "
+        f"{jax.device_count()} global devices, init {time.perf_counter() - start:.2f}s",
+        flush=True,
+    )
+    optimizer, params, state, losses = train(
+        mesh,
+        args.steps,
+        die_after=args.die_after,
+        die_process=args.die_process,
+        die_how=args.die_how,
+        hang_process=args.hang_process,
+        log=lambda s: print(s, flush=True),
+    )
     host = distributed.gather_to_host({"params": params, "state": to_logical(optimizer, state)})
     if args.save:
         checkpoint.save(os.path.join(args.out, "ckpt"), params, state, optimizer)
@@ -159,7 +207,9 @@ def main(argv=None) -> int:
     if args.restore:
         optimizer = make_optimizer(make_params(), mesh)
         params, state = checkpoint.restore(args.restore, optimizer)
-        restored = distributed.gather_to_host({"params": params, "state": to_logical(optimizer, state)})
+        restored = distributed.gather_to_host(
+            {"params": params, "state": to_logical(optimizer, state)}
+        )
         if info.is_main:
             np.savez(os.path.join(args.out, "restored.npz"), **flat(restored))
     distributed.barrier("train_worker done")

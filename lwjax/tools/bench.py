@@ -28,19 +28,34 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax import gram
+from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
+from lwjax.layout import LayoutConfig
+from lwjax.megatron.gpt import GPTConfig, tree_from_keys
 from lwjax.muon import MuonConfig
-from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, default_bucket_size, layerwise_muon
-from lwjax.policies import DEFAULT_NUM_NS_STEPS, ns_flops
+from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
 from lwjax.train import jit_shard_map
 
+# Megatron-Core GPTs (lwjax.megatron.gpt): 8b is Llama-3-8B's layer with 4 layers; 1b has 16
+# heads of 128. (layers, hidden, heads, query groups, SwiGLU width, vocabulary) each.
 WORKLOADS = {
-    "8b": dict(hidden=4096, heads=32, groups=8, ffn=14336, vocab=128256, layers=4),
-    "1b": dict(hidden=2048, heads=16, groups=8, ffn=8192, vocab=128256, layers=16),
-    "small": dict(hidden=256, heads=8, groups=4, ffn=704, vocab=4096, layers=4),
+    name: GPTConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+    )
+    for name, (layers, hidden, heads, groups, ffn, vocab) in {
+        "8b": (4, 4096, 32, 8, 14336, 128256),
+        "1b": (16, 2048, 16, 8, 8192, 128256),
+        "small": (4, 256, 8, 4, 704, 4096),
+    }.items()
 }
 
-# Untimed calls before timing. A freshly compiled pipelined training step (1b, dp 4, 4 x H100) ran its
-# 2nd to 5th calls 7-11% slower than from the 6th on; 2 warm-up calls put three slow ones into a median of 5.
+# Untimed calls before timing. A freshly compiled pipelined training step (1b, dp 4, 4 x H100)
+# ran its 2nd to 5th calls 7-11% slower than from the 6th on; 2 warm-up calls put three slow
+# ones into a median of 5.
 WARMUP_STEPS = 8
 
 
@@ -102,33 +117,24 @@ class BenchConfig:
         if not self.grad_std > 0:
             raise ValueError(f"BenchConfig.grad_std must be positive; got {self.grad_std!r}.")
         if self.workload not in WORKLOADS:
-            raise ValueError(f"BenchConfig.workload must be one of {tuple(WORKLOADS)}; got {self.workload!r}.")
+            raise ValueError(
+                f"BenchConfig.workload must be one of {tuple(WORKLOADS)}; got {self.workload!r}."
+            )
         if not self.dp_sizes or min(self.dp_sizes) < 1:
-            raise ValueError(f"BenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}.")
+            raise ValueError(
+                f"BenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}."
+            )
 
 
-def workload_shapes(name: str, layers: int | None = None) -> tuple[dict, dict]:
-    """Parameter shapes (stacked over layers) and the QKV split of a workload."""
-    c = dict(WORKLOADS[name])
-    layers = layers or c["layers"]
-    h, heads, groups = c["hidden"], c["heads"], c["groups"]
-    head_dim = h // heads
-    qkv_rows = (heads + 2 * groups) * head_dim
-    shapes = {
-        "embedding": (c["vocab"], h),
-        "output_layer": (c["vocab"], h),
-        "final_layernorm": (h,),
-        "layers": {
-            "linear_qkv": (layers, qkv_rows, h),
-            "linear_proj": (layers, h, heads * head_dim),
-            "linear_fc1": (layers, 2 * c["ffn"], h),
-            "linear_fc2": (layers, h, c["ffn"]),
-            "input_layernorm": (layers, h),
-            "pre_mlp_layernorm": (layers, h),
-        },
-    }
-    split = (heads // groups * head_dim, head_dim, head_dim)
-    return shapes, {"layers/linear_qkv": split}
+def workload_config(name: str, layers: int | None = None) -> GPTConfig:
+    """The GPT of a :data:`WORKLOADS` entry, with ``layers`` layers instead of its own if given."""
+    config = WORKLOADS[name]
+    return dataclasses.replace(config, num_layers=layers) if layers else config
+
+
+def workload_shapes(config: GPTConfig) -> dict:
+    """The GPT's parameter tree with shape tuples as leaves (Megatron's keys, layers stacked)."""
+    return tree_from_keys(config.param_shapes())
 
 
 def time_steps(fn, args, iters: int, warmup: int):
@@ -149,7 +155,9 @@ def time_steps(fn, args, iters: int, warmup: int):
 
 
 def time_back_to_back(fn, args, iters: int):
-    """Wall time per step of ``iters`` steps ``args = fn(*args)`` dispatched back to back, synchronised once.
+    """Wall time per step of ``iters`` steps ``args = fn(*args)`` dispatched back to back.
+
+    The steps are synchronised once, at the end.
 
     The host runs ahead of the devices as it does in a training loop, so the
     latency of each dispatch and of each wake-up after a synchronisation
@@ -171,7 +179,7 @@ MATMUL_CHAIN = 8  # products per timed call when measuring the floor's matmul ra
 
 @contextlib.contextmanager
 def pgle():
-    """JAX's profile-guided latency estimation for jitted calls made inside (see :attr:`BenchConfig.pgle`)."""
+    """JAX's profile-guided latency estimation for the jitted calls made inside."""
     saved = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
     jax.config.update("jax_enable_pgle", True)
     jax.config.update("jax_pgle_profiling_runs", PGLE_RUNS)
@@ -183,35 +191,52 @@ def pgle():
 
 
 def warmup_calls(warmup: int, pgle_on: bool) -> int:
-    """Untimed calls before timing: ``warmup``, and under PGLE at least the profiled ones and the recompiled one."""
+    """Untimed calls before timing: ``warmup``, under PGLE at least the profiled ones plus one."""
     return max(warmup, PGLE_RUNS + 1) if pgle_on else warmup
 
 
-def workload_optimizer(params, mesh: Mesh, qkv_split, *, ns_precision: str, grad_reduce_in_fp32: bool, policy: str,
-                       bucket_size, muon: bool = True, learning_rate: float = 1e-3, weight_decay: float = 0.01,
-                       clip_grad: float | None = 1.0, pipeline_muon: bool = False) -> LayerwiseOptimizer:
-    """lwjax's optimizer for a workload's parameters: layers stacked, Megatron's ``[out, in]``, QKV split.
+def workload_optimizer(
+    params,
+    mesh: Mesh,
+    config: GPTConfig,
+    *,
+    ns_precision: str,
+    grad_reduce_in_fp32: bool,
+    policy: str,
+    bucket_size,
+    muon: bool = True,
+    learning_rate: float = 1e-3,
+    weight_decay: float = 0.01,
+    clip_grad: float | None = 1.0,
+    pipeline_muon: bool = False,
+) -> LayerwiseOptimizer:
+    """lwjax's optimizer for a workload: layers stacked, Megatron's ``[out, in]``, QKV split.
 
     With ``muon=False`` every leaf goes to the elementwise Adam (ZeRO-1 AdamW:
     the same reduce-scatter, clip and all-gather, no Newton–Schulz).
     """
-    routing = {"qkv_split": qkv_split} if muon else {"is_muon": lambda name, shape: False}
     return layerwise_muon(
         params,
         mesh,
         learning_rate=learning_rate,
         muon=MuonConfig(fp32_matmul_prec=ns_precision),
-        config=OptimizerConfig(weight_decay=weight_decay, clip_grad=clip_grad, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                               matrix_convention="out_in", pipeline_muon=pipeline_muon),
-        policy=policy,
-        bucket_size=bucket_size,
-        stacked={"layers/*": 1},
-        **routing,
+        config=OptimizerConfig(
+            weight_decay=weight_decay,
+            clip_grad=clip_grad,
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
+            matrix_convention="out_in",
+            pipeline_muon=pipeline_muon,
+        ),
+        layout=LayoutConfig(policy=policy, bucket_size=bucket_size),
+        routing=config.routing_rules(muon=muon),
     )
 
 
 def _local_grads(shapes, mesh, dtype, std):
-    """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over dp, different on every device."""
+    """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over dp.
+
+    Every device's gradients differ.
+    """
     dp = mesh.shape["dp"]
     sharding = NamedSharding(mesh, P("dp"))
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
@@ -226,37 +251,69 @@ def _local_grads(shapes, mesh, dtype, std):
 
 def _params(shapes, mesh, dtype):
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    make = jax.jit(lambda shape: jnp.full(shape, 0.01, dtype), static_argnums=0,
-                   out_shardings=NamedSharding(mesh, P()))
+    make = jax.jit(
+        lambda shape: jnp.full(shape, 0.01, dtype),
+        static_argnums=0,
+        out_shardings=NamedSharding(mesh, P()),
+    )
     return jax.tree_util.tree_unflatten(treedef, [make(s) for s in leaves])
 
 
-def _bench_lwjax(cfg: BenchConfig, shapes, split, mesh):
+def optimizer_step(opt: LayerwiseOptimizer):
+    """``step(params, state, grads) -> (params, state)``: the timed step, ``params`` and ``state``
+    donated; ``grads`` are per-device gradients ``[dp, ...]`` split over dp."""
+    return jit_shard_map(
+        lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
+        opt.mesh,
+        (P(), opt.state_specs, P("dp")),
+        (P(), opt.state_specs),
+        donate_argnums=(0, 1),
+    )
+
+
+def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
+    shapes = workload_shapes(config)
     params = _params(shapes, mesh, dtype)
-    opt = workload_optimizer(params, mesh, split, ns_precision=cfg.ns_precision,
-                             grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, policy=cfg.policy, bucket_size=cfg.bucket_size,
-                             pipeline_muon=cfg.pipeline_muon)
+    opt = workload_optimizer(
+        params,
+        mesh,
+        config,
+        ns_precision=cfg.ns_precision,
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+        policy=cfg.policy,
+        bucket_size=cfg.bucket_size,
+        pipeline_muon=cfg.pipeline_muon,
+    )
     state = opt.init(params)
     grads = _local_grads(shapes, mesh, dtype, cfg.grad_std)
-    grad_norm = float(jax.jit(lambda g: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g)))(
-        grads))  # of the mean gradient, what the step clips by
+    grad_norm = float(
+        jax.jit(
+            lambda g: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g))
+        )(grads)
+    )  # of the mean gradient, what the step clips by
     dp = mesh.shape["dp"]
-    step = jit_shard_map(lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2], mesh,
-                         (P(), opt.state_specs, P("dp")), (P(), opt.state_specs), donate_argnums=(0, 1))
+    step = optimizer_step(opt)
 
     def call(p, s):
         return step(p, s, grads)
 
     # PGLE is part of jit's cache key: the timed and the traced steps both run under it.
     with pgle() if cfg.pgle else contextlib.nullcontext():
-        seconds, (params, state) = time_steps(call, (params, state), cfg.iters, warmup_calls(cfg.warmup, cfg.pgle))
+        seconds, (params, state) = time_steps(
+            call, (params, state), cfg.iters, warmup_calls(cfg.warmup, cfg.pgle)
+        )
         back_to_back, (params, state) = time_back_to_back(call, (params, state), cfg.iters)
         profile = {}
         if cfg.profile_dir:
             profile = profile_steps(call, (params, state), 3, f"{cfg.profile_dir}/dp{dp}")
     state_bytes = max(
-        sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards if s.device == d)
+        sum(
+            s.data.nbytes
+            for leaf in jax.tree.leaves(state)
+            for s in leaf.addressable_shards
+            if s.device == d
+        )
         for d in mesh.devices.flat
     )
     return seconds, back_to_back, state_bytes, opt, profile, grad_norm
@@ -314,7 +371,9 @@ def profile_steps(fn, args, steps: int, directory: str) -> dict:
             kind = _kind(event.name)
             start, end = event.start_ns, event.start_ns + event.duration_ns
             per_kind[kind] += event.duration_ns
-            (comm if kind in ("reduce-scatter", "all-gather", "all-reduce") else compute).append((start, end))
+            (comm if kind in ("reduce-scatter", "all-gather", "all-reduce") else compute).append(
+                (start, end)
+            )
             if kind == "other":
                 other[event.name] += event.duration_ns
     comm_ns, compute_ns = _union(comm), _union(compute)
@@ -322,24 +381,25 @@ def profile_steps(fn, args, steps: int, directory: str) -> dict:
     ms = lambda ns: ns / 1e6 / steps  # noqa: E731
     return dict(
         kernel_ms={k: ms(v) for k, v in per_kind.items()},
-        comm_ms=ms(comm_ns), compute_ms=ms(compute_ns), overlap_ms=ms(both_ns),
+        comm_ms=ms(comm_ns),
+        compute_ms=ms(compute_ns),
+        overlap_ms=ms(both_ns),
         top_other_ms={k: round(ms(v), 3) for k, v in other.most_common(12)},
     )
 
 
-def _bench_optax(cfg: BenchConfig, shapes, mesh):
+def _bench_optax(cfg: BenchConfig, config: GPTConfig, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
+    shapes = workload_shapes(config)
     params = _params(shapes, mesh, jnp.float32)
-    dims = {
-        "embedding": None,
-        "output_layer": None,
-        "final_layernorm": None,
-        "layers": {
-            k: (optax.contrib.MuonDimensionNumbers(reduction_axis=2, output_axis=1) if len(s) == 3 else None)
-            for k, s in shapes["layers"].items()
-        },
-    }
-    tx = optax.contrib.muon(learning_rate=1e-3, weight_decay=0.01, muon_weight_dimension_numbers=dims)
+    # The stacked [L, out, in] layer matrices are Muon's, everything else Adam's.
+    stacked = optax.contrib.MuonDimensionNumbers(reduction_axis=2, output_axis=1)
+    dims = jax.tree.map(
+        lambda s: stacked if len(s) == 3 else None, shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    tx = optax.contrib.muon(
+        learning_rate=1e-3, weight_decay=0.01, muon_weight_dimension_numbers=dims
+    )
     opt_state = jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
     grads = _local_grads(shapes, mesh, dtype, cfg.grad_std)
     state_spec = jax.tree.map(lambda _: P(), opt_state)
@@ -349,26 +409,34 @@ def _bench_optax(cfg: BenchConfig, shapes, mesh):
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o
 
-    step = jit_shard_map(local, mesh, (P(), state_spec, P("dp")), (P(), state_spec), donate_argnums=(0, 1))
+    step = jit_shard_map(
+        local, mesh, (P(), state_spec, P("dp")), (P(), state_spec), donate_argnums=(0, 1)
+    )
 
     def call(p, o):
         return step(p, o, grads)
 
     seconds, (params, opt_state) = time_steps(call, (params, opt_state), cfg.iters, cfg.warmup)
     back_to_back, (params, opt_state) = time_back_to_back(call, (params, opt_state), cfg.iters)
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + sum(x.nbytes for x in jax.tree.leaves(params))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state)) + sum(
+        x.nbytes for x in jax.tree.leaves(params)
+    )
     return seconds, back_to_back, state_bytes
 
 
 def symmetric_share(device, ns_precision: str):
-    """``ns_flops``' ``symmetric_share`` for the Newton–Schulz that runs on ``device``, or ``None`` (full products).
+    """``ns_flops``' ``symmetric_share`` for the Newton–Schulz that runs on ``device``.
+
+    ``None`` where it computes the full products.
 
     The upper-tile kernel (:mod:`lwjax.gram`) runs where ``newton_schulz`` takes
     its CUDA branch, under ``"medium"`` and with a folded coefficient table
     (the bench's quintic); asking ``lax.platform_dependent`` on the device
     itself tells CUDA from other GPUs.
     """
-    probe = jax.jit(lambda x: jax.lax.platform_dependent(x, cuda=lambda x: x + 1, default=lambda x: x))
+    probe = jax.jit(
+        lambda x: jax.lax.platform_dependent(x, cuda=lambda x: x + 1, default=lambda x: x)
+    )
     on_cuda = int(probe(jax.device_put(jnp.int32(0), device))) == 1
     return gram.computed_share if on_cuda and ns_precision == "medium" else None
 
@@ -388,14 +456,32 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     dp = mesh.shape["dp"]
     grad_dtypes = [jnp.dtype(b.key.grad_dtype) for b in plan.buffers]
     param_dtypes = [jnp.dtype(b.key.param_dtype) for b in plan.buffers]
-    grads = [jax.device_put(jnp.ones((dp, b.numel), d), NamedSharding(mesh, P("dp")))
-             for b, d in zip(plan.buffers, grad_dtypes)]
-    blocks = [jax.device_put(jnp.ones((b.numel,), d), NamedSharding(mesh, P("dp")))
-              for b, d in zip(plan.buffers, param_dtypes)]
-    rs = jax.jit(jax.shard_map(lambda gs: [jax.lax.psum_scatter(g[0], "dp", tiled=True) for g in gs],
-                               mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"), check_vma=False))
-    ag = jax.jit(jax.shard_map(lambda bs: [jax.lax.all_gather(b, "dp", tiled=True) for b in bs],
-                               mesh=mesh, in_specs=(P("dp"),), out_specs=P(), check_vma=False))
+    grads = [
+        jax.device_put(jnp.ones((dp, b.numel), d), NamedSharding(mesh, P("dp")))
+        for b, d in zip(plan.buffers, grad_dtypes)
+    ]
+    blocks = [
+        jax.device_put(jnp.ones((b.numel,), d), NamedSharding(mesh, P("dp")))
+        for b, d in zip(plan.buffers, param_dtypes)
+    ]
+    rs = jax.jit(
+        jax.shard_map(
+            lambda gs: [jax.lax.psum_scatter(g[0], "dp", tiled=True) for g in gs],
+            mesh=mesh,
+            in_specs=(P("dp"),),
+            out_specs=P("dp"),
+            check_vma=False,
+        )
+    )
+    ag = jax.jit(
+        jax.shard_map(
+            lambda bs: [jax.lax.all_gather(b, "dp", tiled=True) for b in bs],
+            mesh=mesh,
+            in_specs=(P("dp"),),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
 
     def timed(collective, operands):
         """Seconds per call, synchronised and back to back (none at dp 1)."""
@@ -405,7 +491,9 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
         def call(*_):
             return (collective(operands),)
 
-        return time_steps(call, (), cfg.iters, cfg.warmup)[0], time_back_to_back(call, (), cfg.iters)[0]
+        return time_steps(call, (), cfg.iters, cfg.warmup)[0], time_back_to_back(
+            call, (), cfg.iters
+        )[0]
 
     (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
     # Megatron's FLOPs (full products), and those lwjax computes.
@@ -415,26 +503,41 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     for buffer in plan.buffers:
         for group in buffer.slot_groups:
             for rank, names in enumerate(group.names):
-                flops[rank] += len(names) * ns_flops(group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes)
-                computed[rank] += len(names) * ns_flops(group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes,
-                                                        symmetric_share=share)
+                flops[rank] += len(names) * ns_flops(
+                    group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes
+                )
+                computed[rank] += len(names) * ns_flops(
+                    group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes, symmetric_share=share
+                )
     # The matmul rate: a chain of products in one call, so dispatch and synchronisation
     # add nothing measurable (one timed 8192^3 product gave 444 to 665 TFLOP/s between
     # commands on one H200 host), best of three medians. Entries of variance 1/size
     # keep the chain's values from growing.
     size = 1024 if platform == "cpu" else 8192
     ns_dtype = jnp.bfloat16 if cfg.ns_precision == "medium" else jnp.float32
-    a = jax.device_put(jax.random.normal(jax.random.key(1), (size, size), ns_dtype) / size**0.5, mesh.devices.flat[0])
+    a = jax.device_put(
+        jax.random.normal(jax.random.key(1), (size, size), ns_dtype) / size**0.5,
+        mesh.devices.flat[0],
+    )
     matmul = jax.jit(lambda x: functools.reduce(lambda y, _: x @ y, range(MATMUL_CHAIN), x))
     mm_s = min(time_steps(lambda *_: (matmul(a),), (), cfg.iters, cfg.warmup)[0] for _ in range(3))
     rate = MATMUL_CHAIN * 2 * size**3 / mm_s
     ns_s, computed_s = max(flops) / rate, max(computed) / rate
-    return dict(rs_ms=rs_s * 1e3, ag_ms=ag_s * 1e3, ns_ms=ns_s * 1e3, ns_computed_ms=computed_s * 1e3,
-                matmul_tflops=rate / 1e12, ns_gflop_max_rank=max(flops) / 1e9,
-                ns_gflop_computed_max_rank=max(computed) / 1e9,
-                floor_sum_ms=(rs_s + ag_s + ns_s) * 1e3, floor_sum_computed_ms=(rs_s + ag_s + computed_s) * 1e3,
-                floor_max_ms=max(rs_s + ag_s, ns_s) * 1e3, rs_back_to_back_ms=rs_b2b * 1e3,
-                ag_back_to_back_ms=ag_b2b * 1e3, floor_sum_back_to_back_ms=(rs_b2b + ag_b2b + ns_s) * 1e3)
+    return dict(
+        rs_ms=rs_s * 1e3,
+        ag_ms=ag_s * 1e3,
+        ns_ms=ns_s * 1e3,
+        ns_computed_ms=computed_s * 1e3,
+        matmul_tflops=rate / 1e12,
+        ns_gflop_max_rank=max(flops) / 1e9,
+        ns_gflop_computed_max_rank=max(computed) / 1e9,
+        floor_sum_ms=(rs_s + ag_s + ns_s) * 1e3,
+        floor_sum_computed_ms=(rs_s + ag_s + computed_s) * 1e3,
+        floor_max_ms=max(rs_s + ag_s, ns_s) * 1e3,
+        rs_back_to_back_ms=rs_b2b * 1e3,
+        ag_back_to_back_ms=ag_b2b * 1e3,
+        floor_sum_back_to_back_ms=(rs_b2b + ag_b2b + ns_s) * 1e3,
+    )
 
 
 def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
@@ -445,11 +548,30 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
     import sys
 
     if cfg.workload not in ("8b", "1b"):
-        raise ValueError(f"BenchConfig.megatron_script: Megatron runs the 8b and 1b workloads only; got {cfg.workload!r}.")
-    layers = cfg.layers or WORKLOADS[cfg.workload]["layers"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={dp}", cfg.megatron_script,
-           "--preset", cfg.workload, "--layers", str(layers), "--iters", str(cfg.iters), "--warmup", str(cfg.warmup),
-           "--ns-prec", cfg.ns_precision, "--grad-std", repr(cfg.grad_std)]
+        raise ValueError(
+            "BenchConfig.megatron_script: Megatron runs the 8b and 1b workloads only; "
+            f"got {cfg.workload!r}."
+        )
+    layers = workload_config(cfg.workload, cfg.layers).num_layers
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={dp}",
+        cfg.megatron_script,
+        "--preset",
+        cfg.workload,
+        "--layers",
+        str(layers),
+        "--iters",
+        str(cfg.iters),
+        "--warmup",
+        str(cfg.warmup),
+        "--ns-prec",
+        cfg.ns_precision,
+        "--grad-std",
+        repr(cfg.grad_std),
+    ]
     if not cfg.grad_reduce_in_fp32:
         cmd.append("--no-grad-reduce-in-fp32")
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
@@ -459,10 +581,14 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
         raise RuntimeError(f"megatron bench failed (rc {done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(lines[-1])
     timing = result["timing"]
-    return dict(step_ms=timing["total_ms"]["median"], reduce_ms=timing["reduce_ms"]["median"],
-                optimizer_step_ms=timing["step_ms"]["median"],
-                peak_mem_bytes=max(r.get("peak_mem_bytes", 0) for r in result["per_rank"]),
-                breakdown_ms=result["step_breakdown_ms_median_per_rank"], versions=result["versions"])
+    return dict(
+        step_ms=timing["total_ms"]["median"],
+        reduce_ms=timing["reduce_ms"]["median"],
+        optimizer_step_ms=timing["step_ms"]["median"],
+        peak_mem_bytes=max(r.get("peak_mem_bytes", 0) for r in result["per_rank"]),
+        breakdown_ms=result["step_breakdown_ms_median_per_rank"],
+        versions=result["versions"],
+    )
 
 
 def run_bench(cfg: BenchConfig) -> list[dict]:
@@ -476,32 +602,62 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
       calls the contender made first). Megatron's ``step_ms`` is
       its CUDA-event time of the reduce-scatter plus ``optimizer.step()``.
     """
-    shapes, split = workload_shapes(cfg.workload, cfg.layers)
+    config = workload_config(cfg.workload, cfg.layers)
     devices = jax.devices()
-    numel = sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    numel = sum(int(np.prod(s)) for s in config.param_shapes().values())
     records = []
     megatron = {dp: _bench_megatron(cfg, dp) for dp in cfg.dp_sizes} if cfg.megatron_script else {}
     for dp in cfg.dp_sizes:
         if dp > len(devices):
-            raise ValueError(f"BenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices.")
+            raise ValueError(
+                f"BenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices."
+            )
         mesh = Mesh(np.array(devices[:dp]), ("dp",))
-        base = dict(workload=cfg.workload, layers=cfg.layers or WORKLOADS[cfg.workload]["layers"], params=numel,
-                    dp=dp, device=devices[0].device_kind, jax=jax.__version__, iters=cfg.iters, warmup=cfg.warmup)
-        seconds, back_to_back, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, shapes, split, mesh)
+        base = dict(
+            workload=cfg.workload,
+            layers=config.num_layers,
+            params=numel,
+            dp=dp,
+            device=devices[0].device_kind,
+            jax=jax.__version__,
+            iters=cfg.iters,
+            warmup=cfg.warmup,
+        )
+        seconds, back_to_back, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, config, mesh)
         floor = _floor(cfg, opt, mesh)
-        bucket_size = default_bucket_size(dp) if cfg.bucket_size == "auto" else cfg.bucket_size
-        records.append(dict(base, contender="lwjax", policy=cfg.policy, bucket_size=bucket_size,
-                            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, pgle=cfg.pgle, grad_std=cfg.grad_std,
-                            grad_norm=grad_norm, pipeline_muon=cfg.pipeline_muon,
-                            warmup=warmup_calls(cfg.warmup, cfg.pgle),
-                            step_ms=seconds * 1e3, back_to_back_ms=back_to_back * 1e3,
-                            state_bytes_per_device=nbytes, **floor,
-                            **({"profile": profile} if profile else {})))
+        bucket_size = LayoutConfig(bucket_size=cfg.bucket_size).bucket_size_for(dp)
+        records.append(
+            dict(
+                base,
+                contender="lwjax",
+                policy=cfg.policy,
+                bucket_size=bucket_size,
+                grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+                pgle=cfg.pgle,
+                grad_std=cfg.grad_std,
+                grad_norm=grad_norm,
+                pipeline_muon=cfg.pipeline_muon,
+                warmup=warmup_calls(cfg.warmup, cfg.pgle),
+                step_ms=seconds * 1e3,
+                back_to_back_ms=back_to_back * 1e3,
+                state_bytes_per_device=nbytes,
+                **floor,
+                **({"profile": profile} if profile else {}),
+            )
+        )
         if dp in megatron:
-            records.append(dict(base, contender="Megatron-Core LayerWiseDistributedOptimizer", **megatron[dp]))
+            records.append(
+                dict(base, contender="Megatron-Core LayerWiseDistributedOptimizer", **megatron[dp])
+            )
         if cfg.baselines:
-            seconds, back_to_back, nbytes = _bench_optax(cfg, shapes, mesh)
-            records.append(dict(base, contender="optax.contrib.muon (replicated)", step_ms=seconds * 1e3,
-                                back_to_back_ms=back_to_back * 1e3, state_bytes_per_device=nbytes))
+            seconds, back_to_back, nbytes = _bench_optax(cfg, config, mesh)
+            records.append(
+                dict(
+                    base,
+                    contender="optax.contrib.muon (replicated)",
+                    step_ms=seconds * 1e3,
+                    back_to_back_ms=back_to_back * 1e3,
+                    state_bytes_per_device=nbytes,
+                )
+            )
     return records
-

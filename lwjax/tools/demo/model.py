@@ -1,4 +1,4 @@
-"""A small GPT in flax nnx: RoPE attention (fused or separate QKV, grouped queries), SwiGLU, RMSNorm.
+"""A small flax nnx GPT: RoPE attention (fused or separate QKV, grouped queries), SwiGLU, RMSNorm.
 
 The model is the one ``lwjax demo`` and ``examples/nnx_gpt.py`` train. Its
 parameter names, and what :func:`lwjax_routing` plus lwjax's defaults make of them:
@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+import lwjax
 
 ROPE_BASE = 10_000.0
 
@@ -104,21 +106,18 @@ MODEL_SIZES = {
 }
 
 
-def lwjax_routing(config: GPTConfig) -> dict:
+def lwjax_routing(config: GPTConfig) -> lwjax.RoutingRules:
     """Routing rules for :func:`lwjax.layerwise_muon` on this model's parameters.
 
     Defaults already send the embedding, ``lm_head`` and norms to AdamW and every
     other 2-D kernel to Muon; this adds what the defaults cannot know: the layer
     axis of scanned blocks, the tied embedding and the fused QKV split.
     """
-    routing = {}
-    if config.scan_layers:
-        routing["stacked"] = {"blocks/*": 1}
-    if config.tied_embedding:
-        routing["tied"] = {"embed/embedding": True}
-    if config.fused_qkv:
-        routing["qkv_split"] = {"*attn/qkv/kernel": config.qkv_split}
-    return routing
+    return lwjax.RoutingRules(
+        stacked={"blocks/*": 1} if config.scan_layers else None,
+        tied={"embed/embedding": True} if config.tied_embedding else None,
+        qkv_split={"*attn/qkv/kernel": config.qkv_split} if config.fused_qkv else None,
+    )
 
 
 def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
@@ -127,7 +126,8 @@ def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
     .. math::
 
        \theta_j = \text{base}^{-j/(h/2)},\quad
-       (x_1, x_2) \mapsto (x_1 \cos t\theta - x_2 \sin t\theta,\; x_2 \cos t\theta + x_1 \sin t\theta)
+       (x_1, x_2) \mapsto
+       (x_1 \cos t\theta - x_2 \sin t\theta,\; x_2 \cos t\theta + x_1 \sin t\theta)
     """
     half = x.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -150,7 +150,11 @@ class Attention(nnx.Module):
         if config.fused_qkv:
             self.qkv = _linear(d, (heads + 2 * kv) * h, rngs)
         else:
-            self.q, self.k, self.v = _linear(d, heads * h, rngs), _linear(d, kv * h, rngs), _linear(d, kv * h, rngs)
+            self.q, self.k, self.v = (
+                _linear(d, heads * h, rngs),
+                _linear(d, kv * h, rngs),
+                _linear(d, kv * h, rngs),
+            )
         self.out = _linear(heads * h, d, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -168,7 +172,9 @@ class Attention(nnx.Module):
         q, k = rope(q).reshape(b, t, c.kv_heads, group, c.head_dim), rope(k)
         scores = jnp.einsum("btkgh,bskh->bkgts", q, k) / math.sqrt(c.head_dim)
         causal = jnp.tril(jnp.ones((t, t), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9).astype(jnp.float32), axis=-1).astype(v.dtype)
+        weights = jax.nn.softmax(
+            jnp.where(causal, scores, -1e9).astype(jnp.float32), axis=-1
+        ).astype(v.dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", weights, v).reshape(b, t, c.num_heads * c.head_dim)
         return self.out(out)
 
@@ -178,7 +184,11 @@ class MLP(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         d, f = config.d_model, config.hidden
-        self.gate, self.up, self.down = _linear(d, f, rngs), _linear(d, f, rngs), _linear(f, d, rngs)
+        self.gate, self.up, self.down = (
+            _linear(d, f, rngs),
+            _linear(d, f, rngs),
+            _linear(f, d, rngs),
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -223,7 +233,9 @@ class GPT(nnx.Module):
             self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         if not config.tied_embedding:
-            self.lm_head = _linear(config.d_model, config.vocab_size, rngs, kernel_init=nnx.initializers.zeros)
+            self.lm_head = _linear(
+                config.d_model, config.vocab_size, rngs, kernel_init=nnx.initializers.zeros
+            )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
@@ -243,7 +255,10 @@ class GPT(nnx.Module):
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    r"""Mean next-token loss in nats: :math:`-\frac{1}{BT}\sum \log \operatorname{softmax}(z)_{y}`."""
+    r"""Mean next-token loss in nats.
+
+    .. math:: -\frac{1}{BT}\sum \log \operatorname{softmax}(z)_{y}
+    """
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
@@ -271,7 +286,9 @@ def stack_blocks(unrolled: nnx.State, scanned: nnx.State) -> nnx.State:
     copied. The result shares no array with its inputs. The inverse of slicing
     ``blocks/...[i]``.
     """
-    source = jax.tree.map(jnp.copy, nnx.to_pure_dict(unrolled))  # fresh arrays: steps donate their inputs
+    source = jax.tree.map(
+        jnp.copy, nnx.to_pure_dict(unrolled)
+    )  # fresh arrays: steps donate their inputs
     layers = source.pop("blocks")
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in sorted(layers)))
     target = jax.tree.map(lambda x: x, scanned)

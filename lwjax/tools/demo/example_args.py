@@ -14,9 +14,13 @@ def example_parser(description: str, *, scan_help: str) -> argparse.ArgumentPars
     """
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--size", default="small", help="tiny, small or base (lwjax.demo.model.MODEL_SIZES)")
+    p.add_argument(
+        "--size", default="small", help="tiny, small or base (lwjax.tools.demo.model.MODEL_SIZES)"
+    )
     p.add_argument("--scan", action="store_true", help=scan_help)
-    p.add_argument("--separate-qkv", action="store_true", help="three Q/K/V projections instead of one fused")
+    p.add_argument(
+        "--separate-qkv", action="store_true", help="three Q/K/V projections instead of one fused"
+    )
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
     p.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")

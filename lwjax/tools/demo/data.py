@@ -76,7 +76,9 @@ def load_stdlib_corpus(
     root = pathlib.Path(root) if root is not None else stdlib_root()
     files = sorted(root.glob("*.py"))
     if len(files) < 2:
-        raise ValueError(f"load_stdlib_corpus: need Python sources in {root}; found {len(files)} .py files.")
+        raise ValueError(
+            f"load_stdlib_corpus: need Python sources in {root}; found {len(files)} .py files."
+        )
     if val_every < 2:
         raise ValueError(f"load_stdlib_corpus: val_every must be >= 2; got {val_every=}.")
     train, val, total, used = [], [], 0, 0
@@ -90,22 +92,31 @@ def load_stdlib_corpus(
         if max_bytes is not None and total >= max_bytes:
             break
     if not train or not val:
-        raise ValueError(f"load_stdlib_corpus: {used} files give no train/validation split; raise max_bytes.")
+        raise ValueError(
+            f"load_stdlib_corpus: {used} files give no train/validation split; raise max_bytes."
+        )
     as_array = lambda parts: np.frombuffer(b"".join(parts), np.uint8)  # noqa: E731
     return ByteCorpus(train=as_array(train), val=as_array(val), num_files=used, root=str(root))
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """``inputs = data[s : s+T]``, ``targets = data[s+1 : s+T+1]`` per start, as int32 ``[B, T]``."""
+    """The windows at ``starts`` as int32 ``[B, T]`` inputs and next-byte targets.
+
+    ``inputs = data[s : s+T]`` and ``targets = data[s+1 : s+T+1]`` for each start ``s``.
+    """
     index = starts[:, None] + np.arange(seq_len + 1)
     tokens = data[index].astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def train_batches(data: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def train_batches(
+    data: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
     """Endless batches of random windows (with replacement), reproducible from ``seed``."""
     if len(data) <= seq_len + 1:
-        raise ValueError(f"train_batches: need more than seq_len + 1 = {seq_len + 1} bytes; got {len(data)}.")
+        raise ValueError(
+            f"train_batches: need more than seq_len + 1 = {seq_len + 1} bytes; got {len(data)}."
+        )
     rng = np.random.default_rng(seed)
     while True:
         yield _windows(data, rng.integers(0, len(data) - seq_len - 1, size=batch_size), seq_len)
@@ -114,7 +125,8 @@ def train_batches(data: np.ndarray, batch_size: int, seq_len: int, *, seed: int 
 def eval_batch(data: np.ndarray, num_windows: int, seq_len: int) -> dict[str, np.ndarray]:
     """``num_windows`` evenly spaced windows over ``data``: a fixed validation batch."""
     if len(data) <= seq_len + 1:
-        raise ValueError(f"eval_batch: need more than seq_len + 1 = {seq_len + 1} bytes; got {len(data)}.")
+        raise ValueError(
+            f"eval_batch: need more than seq_len + 1 = {seq_len + 1} bytes; got {len(data)}."
+        )
     starts = np.linspace(0, len(data) - seq_len - 1, num_windows).astype(np.int64)
     return _windows(data, starts, seq_len)
-

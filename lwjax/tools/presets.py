@@ -34,7 +34,15 @@ PRESET_DTYPE = "bfloat16"
 JSON_SHAPES_DTYPE = "bfloat16"  # dtype of parameters given as a bare list of shapes
 
 _PARAM_KEYS = frozenset(
-    {"name", "shape", "dtype", "shared_embedding", "expert", "is_embedding_or_output_parameter", "is_muon"}
+    {
+        "name",
+        "shape",
+        "dtype",
+        "shared_embedding",
+        "expert",
+        "is_embedding_or_output_parameter",
+        "is_muon",
+    }
 )
 
 
@@ -43,7 +51,9 @@ def _matrix(name: str, shape: tuple[int, ...], *, is_expert: bool = False) -> Pa
     return ParamSpec(name, shape, PRESET_DTYPE, is_muon=True, is_expert=is_expert)
 
 
-def _elementwise(name: str, shape: tuple[int, ...], *, is_shared_embedding: bool = False) -> ParamSpec:
+def _elementwise(
+    name: str, shape: tuple[int, ...], *, is_shared_embedding: bool = False
+) -> ParamSpec:
     """A parameter the elementwise optimizer (AdamW) updates."""
     return ParamSpec(name, shape, PRESET_DTYPE, is_shared_embedding=is_shared_embedding)
 
@@ -96,10 +106,18 @@ def transformer_specs(
       ValueError: A size is not a positive integer.
     """
     _check_positive(
-        "transformer_specs", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, ffn=ffn, vocab=vocab,
+        "transformer_specs",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        vocab=vocab,
     )
-    specs = [_elementwise("embedding.word_embeddings.weight", (vocab, hidden), is_shared_embedding=tied)]
+    specs = [
+        _elementwise("embedding.word_embeddings.weight", (vocab, hidden), is_shared_embedding=tied)
+    ]
     if max_positions:
         specs.append(_elementwise("embedding.position_embeddings.weight", (max_positions, hidden)))
     fc1_rows = 2 * ffn if swiglu else ffn
@@ -113,7 +131,9 @@ def transformer_specs(
     def linear(prefix: str, shape: tuple[int, int], *, is_expert: bool = False) -> None:
         specs.append(_matrix(f"{prefix}.weight", shape, is_expert=is_expert))
         if biases:
-            specs.append(ParamSpec(f"{prefix}.bias", (shape[0],), PRESET_DTYPE, is_expert=is_expert))
+            specs.append(
+                ParamSpec(f"{prefix}.bias", (shape[0],), PRESET_DTYPE, is_expert=is_expert)
+            )
 
     for i in range(layers):
         layer = f"decoder.layers.{i}"
@@ -151,22 +171,43 @@ def llama1b(*, layers: int = 16) -> list[ParamSpec]:
 
 
 def moe(*, layers: int = 32) -> list[ParamSpec]:
-    """A Mixtral-8x7B-like MoE stack: hidden 4096, 32/8 heads, 8 SwiGLU experts of 14336, vocab 32000."""
+    """A Mixtral-8x7B-like MoE stack: hidden 4096, 32/8 heads, 8 SwiGLU experts of 14336.
+
+    Vocabulary 32000.
+    """
     return transformer_specs(
-        layers=layers, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=32000, experts=8
+        layers=layers,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffn=14336,
+        vocab=32000,
+        experts=8,
     )
 
 
 def tied(*, layers: int = 12) -> list[ParamSpec]:
-    """GPT-2-small shapes with tied embeddings: hidden 768, 12 heads, GELU 3072, vocab 50257, biases.
+    """GPT-2-small shapes with tied embeddings: hidden 768, 12 heads, GELU 3072, biases.
+
+    Vocabulary 50257.
 
     The word embedding doubles as the output layer, so it is a shared embedding
     (isolated in a bucket of its own, updated by AdamW); learned position
     embeddings of 1024 rows; 124.4M parameters at 12 layers.
     """
     return transformer_specs(
-        layers=layers, hidden=768, heads=12, kv_heads=12, head_dim=64, ffn=3072, vocab=50257,
-        swiglu=False, tied=True, biases=True, max_positions=1024,
+        layers=layers,
+        hidden=768,
+        heads=12,
+        kv_heads=12,
+        head_dim=64,
+        ffn=3072,
+        vocab=50257,
+        swiglu=False,
+        tied=True,
+        biases=True,
+        max_positions=1024,
     )
 
 
@@ -208,7 +249,9 @@ def _flag(entry: Mapping, field: str, where: str, default: bool | None) -> bool 
 
 
 def _shape(value, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in value):
+    if not isinstance(value, list) or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in value
+    ):
         raise ValueError(f"{where}: shape must be a list of positive integers; got {value!r}.")
     return tuple(value)
 
@@ -250,7 +293,9 @@ def _spec_from_entry(index: int, entry, seen: set[str]) -> ParamSpec:
             f"{where}: a Muon parameter must be a 2-D matrix and not a tied embedding; got "
             f"{shape=}, shared_embedding={shared}. Set is_muon to false."
         )
-    return ParamSpec(name, shape, dtype, is_muon=is_muon, is_shared_embedding=shared, is_expert=expert)
+    return ParamSpec(
+        name, shape, dtype, is_muon=is_muon, is_shared_embedding=shared, is_expert=expert
+    )
 
 
 def specs_from_json(obj) -> list[ParamSpec]:

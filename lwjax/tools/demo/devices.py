@@ -36,7 +36,9 @@ def request_cpu_devices(count: int) -> bool:
 
 
 def local_mesh(num_devices: int | None = None, *, axis: str = "dp") -> Mesh:
-    """A 1-D data-parallel mesh over this process's devices, or over every process's in a multi-process job.
+    """A 1-D data-parallel mesh over this process's devices.
+
+    In a multi-process job the mesh spans every process's devices.
 
     Args:
       num_devices: How many devices to use; ``None`` means all of them, with
@@ -56,7 +58,9 @@ def local_mesh(num_devices: int | None = None, *, axis: str = "dp") -> Mesh:
 
     distributed.initialize()  # joins a job started by `lwjax launch` or a cluster; no-op otherwise
     if jax.process_count() > 1:
-        return distributed.global_mesh(num_devices, axis=axis)  # every process's devices, an equal share each
+        return distributed.global_mesh(
+            num_devices, axis=axis
+        )  # every process's devices, an equal share each
     devices = jax.devices()
     if num_devices is not None:
         if num_devices > len(devices):

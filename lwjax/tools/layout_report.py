@@ -29,15 +29,17 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 
-from lwjax.layout import BufferKey, FullParamLayout, ParamSpec, PerBufferParamLayout
-from lwjax.policies import (
-    DEFAULT_NUM_NS_STEPS,
-    DEFAULT_POLICY,
+from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
+from lwjax.layout import (
     POLICIES,
-    LayoutPolicy,
-    compute_full_param_layout,
-    ns_flops,
+    BufferKey,
+    FullParamLayout,
+    LayoutConfig,
+    ParamSpec,
+    PerBufferParamLayout,
 )
+from lwjax.policies import compute_full_param_layout
+
 
 def _balance(loads: Sequence[int]) -> float | None:
     """``max / mean`` of ``loads``, or ``None`` when they are all zero."""
@@ -243,7 +245,10 @@ def _worst(values) -> float | None:
 def _bucket_loads(
     layout: PerBufferParamLayout, specs_by_name: Mapping[str, ParamSpec], num_ns_steps: int
 ) -> tuple[list[list[list[int]]], list[int], list[int]]:
-    """``loads[bucket][shard] = [num_params, numel, ns_flops]`` plus per-bucket param and element counts."""
+    """Each bucket's per-shard loads, plus its param and element counts.
+
+    ``loads[bucket][shard] = [num_params, numel, ns_flops]``.
+    """
     dp = layout.num_shards
     num_buckets = len(layout.bucket_indices)
     loads = [[[0, 0, 0] for _ in range(dp)] for _ in range(num_buckets)]
@@ -322,10 +327,7 @@ def summarize_buffer(
 
 
 def summarize_layout(
-    full: FullParamLayout,
-    specs: Sequence[ParamSpec],
-    *,
-    num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
+    full: FullParamLayout, specs: Sequence[ParamSpec], *, num_ns_steps: int = DEFAULT_NUM_NS_STEPS
 ) -> LayoutSummary:
     """Measure every buffer of a model's layout and the per-rank totals.
 
@@ -345,7 +347,8 @@ def summarize_layout(
       (2, 65792, 503316480)
     """
     buffers = tuple(
-        summarize_buffer(layout, specs, key=key, num_ns_steps=num_ns_steps) for key, layout in full.layouts.items()
+        summarize_buffer(layout, specs, key=key, num_ns_steps=num_ns_steps)
+        for key, layout in full.layouts.items()
     )
     groups: dict[int, list[BufferSummary]] = {}
     for buffer in buffers:
@@ -383,10 +386,8 @@ class PolicyResult:
 def evaluate_policy(
     specs: Sequence[ParamSpec],
     dp: int,
+    layout: LayoutConfig = LayoutConfig(),
     *,
-    policy: LayoutPolicy = DEFAULT_POLICY,
-    bucket_size: int | None = None,
-    high_busbw: bool = False,
     expert_dp: int | None = None,
     grad_reduce_in_fp32: bool = True,
     num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
@@ -401,32 +402,38 @@ def evaluate_policy(
         ``num_ns_steps < 1``.
     """
     if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or num_ns_steps < 1:
-        raise ValueError(f"evaluate_policy: num_ns_steps must be a positive integer; got {num_ns_steps=}.")
+        raise ValueError(
+            f"evaluate_policy: num_ns_steps must be a positive integer; got {num_ns_steps=}."
+        )
     begin = time.perf_counter()
     full = compute_full_param_layout(
-        specs, dp, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw, expert_dp=expert_dp,
-        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        specs, dp, layout, expert_dp=expert_dp, grad_reduce_in_fp32=grad_reduce_in_fp32
     )
     layout_ms = 1e3 * (time.perf_counter() - begin)
-    return PolicyResult(policy, full, summarize_layout(full, specs, num_ns_steps=num_ns_steps), layout_ms)
+    return PolicyResult(
+        layout.policy, full, summarize_layout(full, specs, num_ns_steps=num_ns_steps), layout_ms
+    )
 
 
 def compare_policies(
     specs: Sequence[ParamSpec],
     dp: int,
+    layout: LayoutConfig = LayoutConfig(),
     *,
     policies: Sequence[str] = POLICIES,
-    bucket_size: int | None = None,
-    high_busbw: bool = False,
     expert_dp: int | None = None,
     grad_reduce_in_fp32: bool = True,
     num_ns_steps: int = DEFAULT_NUM_NS_STEPS,
 ) -> tuple[PolicyResult, ...]:
-    """Run :func:`evaluate_policy` for each of ``policies`` on the same model."""
+    """Run :func:`evaluate_policy` for each of ``policies`` with ``layout``'s other settings."""
     return tuple(
         evaluate_policy(
-            specs, dp, policy=policy, bucket_size=bucket_size, high_busbw=high_busbw,
-            expert_dp=expert_dp, grad_reduce_in_fp32=grad_reduce_in_fp32, num_ns_steps=num_ns_steps,
+            specs,
+            dp,
+            dataclasses.replace(layout, policy=policy),
+            expert_dp=expert_dp,
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
+            num_ns_steps=num_ns_steps,
         )
         for policy in policies
     )
@@ -475,52 +482,3 @@ def full_layout_to_json(full: FullParamLayout) -> dict:
             }
         )
     return {"buffers": buffers}
-
-
-def _summary_fields(item) -> dict:
-    return {
-        "numel": item.numel,
-        "real_numel": item.real_numel,
-        "padding_pct": item.padding_pct,
-        "ns_flops": item.ns_flops,
-        "numel_balance": item.numel_balance,
-        "flops_balance": item.flops_balance,
-    }
-
-
-def summary_to_json(summary: LayoutSummary) -> dict:
-    """Write a :class:`LayoutSummary` as plain JSON-able data, derived figures included."""
-
-    def shards(loads):
-        return [dataclasses.asdict(load) for load in loads]
-
-    return {
-        **_summary_fields(summary),
-        "num_params": summary.num_params,
-        "num_buckets": summary.num_buckets,
-        "ranks": [
-            {"num_shards": r.num_shards, **_summary_fields(r), "shards": shards(r.shards)} for r in summary.ranks
-        ],
-        "buffers": [
-            {
-                "key": None if b.key is None else dataclasses.asdict(b.key),
-                "is_layer_wise": b.is_layer_wise,
-                "num_shards": b.num_shards,
-                "num_params": b.num_params,
-                **_summary_fields(b),
-                "shards": shards(b.shards),
-                "buckets": [
-                    {
-                        "bucket_id": k.bucket_id,
-                        "start": k.start,
-                        "end": k.end,
-                        "num_params": k.num_params,
-                        **_summary_fields(k),
-                        "shards": shards(k.shards),
-                    }
-                    for k in b.buckets
-                ],
-            }
-            for b in summary.buffers
-        ],
-    }

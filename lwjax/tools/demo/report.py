@@ -1,6 +1,6 @@
 """The demo's outputs: a rich summary table, a loss-curve PNG and a metrics JSON.
 
-Everything here reads the metrics dict that :func:`lwjax.demo.run.run_demo`
+Everything here reads the metrics dict that :func:`lwjax.tools.demo.run.run_demo`
 returns; nothing trains or touches devices.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-
 
 
 def _bytes(n: int) -> str:
@@ -26,13 +25,20 @@ def summary_table(metrics: dict):
 
     data, devices = metrics["data"], metrics["devices"]
     title = (
-        f"lwjax demo · {metrics['model']['size']} GPT ({metrics['model']['num_params']:,} params) · "
+        f"lwjax demo · {metrics['model']['size']} GPT "
+        f"({metrics['model']['num_params']:,} params) · "
         f"{devices['count']} {devices['platform']} devices · {metrics['config']['steps']} steps"
     )
     table = Table(title=title, title_justify="left", title_style="bold")
-    for name, justify in (("optimizer", "left"), ("final train loss", "right"), ("val loss", "right"),
-                          ("vs unigram", "right"), ("step time", "right"), ("tokens/s", "right"),
-                          ("opt. state / device", "right")):
+    for name, justify in (
+        ("optimizer", "left"),
+        ("final train loss", "right"),
+        ("val loss", "right"),
+        ("vs unigram", "right"),
+        ("step time", "right"),
+        ("tokens/s", "right"),
+        ("opt. state / device", "right"),
+    ):
         table.add_column(name, justify=justify, no_wrap=True)
     unigram = data["unigram_entropy"]
     for run in metrics["runs"].values():
@@ -46,7 +52,8 @@ def summary_table(metrics: dict):
             _bytes(run["state_bytes_per_device"]),
         )
     table.caption = (
-        f"losses in nats/byte; unigram baseline {unigram:.3f} ({unigram / math.log(2):.2f} bits/byte); "
+        f"losses in nats/byte; unigram baseline {unigram:.3f} "
+        f"({unigram / math.log(2):.2f} bits/byte); "
         f"train loss averaged over the last 10 steps; val on {data['val_tokens']:,} held-out bytes "
         f"of {data['num_files']} stdlib files"
     )
@@ -64,7 +71,10 @@ def _smooth(values: list[float]) -> list[float]:
 
 
 def write_plot(metrics: dict, path: str | pathlib.Path) -> pathlib.Path:
-    """Plot training (raw and smoothed) and validation loss of each run, and the unigram baseline, as a PNG."""
+    """Plot each run's loss curves and the unigram baseline into a PNG at ``path``.
+
+    Training loss is drawn raw and smoothed, validation loss at its evaluation steps.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,8 +89,15 @@ def write_plot(metrics: dict, path: str | pathlib.Path) -> pathlib.Path:
         ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(steps, _smooth(losses), color=color, label=f"{run['optimizer']} (train, smoothed)")
         val_steps, val = zip(*run["val_losses"])
-        ax.plot(val_steps, val, color=color, linestyle="--", marker="o", markersize=4,
-                label=f"{run['optimizer']} (val)")
+        ax.plot(
+            val_steps,
+            val,
+            color=color,
+            linestyle="--",
+            marker="o",
+            markersize=4,
+            label=f"{run['optimizer']} (val)",
+        )
     unigram = metrics["data"]["unigram_entropy"]
     ax.axhline(unigram, color="gray", linestyle=":", label=f"unigram baseline ({unigram:.2f})")
     ax.set_xlabel("step")

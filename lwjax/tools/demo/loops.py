@@ -8,7 +8,9 @@ holds the full optax state and applies the same update to the all-reduced
 
 .. math::
 
-   g = \\frac{1}{dp}\\sum_r \\nabla L_r, \\qquad (u, s) = \\text{tx.update}(g, s, p), \\qquad p \\leftarrow p + u.
+   g = \\frac{1}{dp}\\sum_r \\nabla L_r, \\qquad
+   (u, s) = \\text{tx.update}(g, s, p), \\qquad
+   p \\leftarrow p + u.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from jax.sharding import PartitionSpec as P
 from lwjax.train import jit_shard_map
 
 
-def make_replicated_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str = "dp"):
+def make_replicated_step(
+    loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str = "dp"
+):
     """Build a jitted data-parallel ``step(params, opt_state, batch)`` with replicated optax state.
 
     Returns:
@@ -41,7 +45,9 @@ def make_replicated_step(loss_fn: Callable, tx: optax.GradientTransformation, me
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
-    return jit_shard_map(local_step, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1))
+    return jit_shard_map(
+        local_step, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1)
+    )
 
 
 def init_replicated(tx: optax.GradientTransformation, params, mesh: Mesh):
@@ -54,7 +60,10 @@ def make_eval_fn(loss_fn: Callable, mesh: Mesh, *, axis: str = "dp"):
     return jax.jit(
         jax.shard_map(
             lambda params, batch: lax.pmean(loss_fn(params, batch), axis),
-            mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(), check_vma=False,
+            mesh=mesh,
+            in_specs=(P(), P(axis)),
+            out_specs=P(),
+            check_vma=False,
         )
     )
 
@@ -116,7 +125,11 @@ def train(
       ``(params, state, RunLog)``.
     """
     log = RunLog(name)
-    task = None if progress is None else progress.add_task(name, total=num_steps, loss=float("nan"), tps=0.0)
+    task = (
+        None
+        if progress is None
+        else progress.add_task(name, total=num_steps, loss=float("nan"), tps=0.0)
+    )
     log.val_losses.append((0, float(eval_fn(params, eval_batch))))
     for i in range(num_steps):
         batch = next(batches)

@@ -1,0 +1,298 @@
+"""Newton–Schulz orthogonalisation with Megatron-Core's coefficients and numerics, in ``jax.numpy``.
+
+:func:`newton_schulz` maps each matrix of a stack ``[..., m, n]`` close to the
+orthogonal factor of its polar decomposition. The numerics follow
+``emerging_optimizers`` 0.3.0 (behind Megatron's ``TensorParallelMuon`` at
+TP=1): the same coefficient tables and schedules, auto-transpose, Frobenius
+normalisation and rounding points. On CUDA the polynomial is applied in one
+product per step (:func:`_iterate_folded`), with the symmetric products taken
+from their upper tiles where :mod:`lwjax.gram`'s kernel fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import types
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lwjax import gram as gram_lib
+
+CoefficientType = Literal["simple", "quintic", "polar_express", "cans", "aol"]
+Precision = Literal["highest", "high", "medium"]
+
+# (a, b, c) per Newton–Schulz step, as tabulated in emerging_optimizers 0.3.0.
+COEFFICIENT_SETS = types.MappingProxyType(
+    {
+        "simple": ((3.4445, -4.7750, 2.0315),),
+        "quintic": (
+            (4.0848, -6.8946, 2.9270),
+            (3.9505, -6.3029, 2.6377),
+            (3.7418, -5.5913, 2.3037),
+            (2.8769, -3.1427, 1.2046),
+            (2.8366, -3.0525, 1.2012),
+        ),
+        "polar_express": (
+            (8.2051, -22.9019, 16.4607),
+            (4.0664, -2.8612, 0.5184),
+            (3.9096, -2.8234, 0.5250),
+            (3.2856, -2.4153, 0.4853),
+            (2.2779, -1.6198, 0.3985),
+            (1.8726, -1.2307, 0.3585),
+            (1.8564, -1.2132, 0.3568),
+            (1.8750, -1.2500, 0.3750),
+        ),
+        "cans": (
+            (8.4703, -25.1081, 18.6293),
+            (4.1828, -3.1087, 0.5806),
+            (3.9619, -2.9541, 0.5630),
+            (3.2866, -2.4647, 0.5074),
+            (2.2737, -1.6447, 0.4162),
+        ),
+        "aol": (
+            (4.0098, -7.0585, 2.4635),
+            (3.4585, -5.5479, 2.5959),
+            (2.7573, -3.2939, 1.4254),
+            (2.7215, -3.0494, 1.3169),
+        ),
+    }
+)
+# How a table is walked when num_ns_steps exceeds its length: "cycle" wraps around,
+# "repeat_last" keeps reusing the final triple.
+_ITERATION_MODES = types.MappingProxyType(
+    {
+        "simple": "cycle",
+        "quintic": "cycle",
+        "polar_express": "repeat_last",
+        "cans": "repeat_last",
+        "aol": "cycle",
+    }
+)
+COEFFICIENT_TYPES: tuple[str, ...] = tuple(COEFFICIENT_SETS)
+# Megatron's --muon-fp32-matmul-prec values (torch.set_float32_matmul_precision).
+PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
+
+# Tables whose Newton–Schulz runs folded on CUDA (_iterate_folded). polar_express and cans open
+# with a ≈ 8: bf16 rounds the folded factor's diagonal entries, all close to a, by up to 2^-5 and
+# mostly the same way, which shifts every singular value's gain at once. Over a sweep of top
+# singular values polar_express then ends 1.3× further from fp32 than in Megatron's order, and
+# cans diverges where Megatron's order does not, so both keep that order.
+_FOLDED_TABLES = frozenset({"simple", "quintic", "aol"})
+
+# "high" is TF32-class: XLA's default precision for fp32 dots (TF32 on Ampere+,
+# plain fp32 on CPU). "medium" feeds bf16 operands, for which DEFAULT is native.
+_LAX_PRECISION = {
+    "highest": lax.Precision.HIGHEST,
+    "high": lax.Precision.DEFAULT,
+    "medium": lax.Precision.DEFAULT,
+}
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices``; ``field`` is the display path."""
+    if not isinstance(value, str) or value not in choices:
+        name = field.replace(".", " ").split()[-1]
+        raise ValueError(f"{field} must be one of {choices}; got {name}={value!r}.")
+
+
+def _check_num_ns_steps(field: str, value: object) -> None:
+    """Raise unless ``value`` is a Python int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an int, but got {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{field} must be at least 1; got num_ns_steps={value!r}.")
+
+
+def _check_matrix(where: str, name: str, x: jax.Array) -> None:
+    """Raise unless ``x`` is a floating array of rank >= 2."""
+    if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+        raise TypeError(f"{where}: {name} must be an array, but got {type(x).__name__}.")
+    if x.ndim < 2:
+        raise ValueError(f"{where}: {name} must have rank >= 2 ([..., m, n]); got {x.shape=}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{where}: {name} must have a floating dtype; got {x.dtype=}.")
+
+
+def _coefficient_schedule(
+    coefficient_type: str, num_ns_steps: int
+) -> tuple[tuple[float, ...], ...]:
+    """Expand a named coefficient table to one (a, b, c) triple per step."""
+    table = COEFFICIENT_SETS[coefficient_type]
+    if _ITERATION_MODES[coefficient_type] == "cycle":
+        return tuple(table[i % len(table)] for i in range(num_ns_steps))
+    return tuple(table[min(i, len(table) - 1)] for i in range(num_ns_steps))
+
+
+def _storage_dtype(dtype, precision: str):
+    """The dtype Newton–Schulz keeps its iterate in: bf16 under ``"medium"``, else fp32 or wider."""
+    return jnp.bfloat16 if precision == "medium" else jnp.promote_types(dtype, jnp.float32)
+
+
+def _iterate_exact(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
+    """Newton–Schulz in Megatron's order (``addmm``): each product and sum rounds to ``y.dtype``.
+
+    .. math:: A = X X^\\top, \\quad B = b A + c A^2, \\quad X \\leftarrow a X + B X
+    """
+    matmul = functools.partial(jnp.matmul, precision=precision, preferred_element_type=acc_dtype)
+    for a, b, c in steps:
+        gram = matmul(y, jnp.swapaxes(y, -1, -2)).astype(y.dtype)
+        poly = (b * gram.astype(acc_dtype) + c * matmul(gram, gram)).astype(y.dtype)
+        y = (a * y.astype(acc_dtype) + matmul(poly, y)).astype(y.dtype)
+    return y
+
+
+def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype, tall: bool = False) -> jax.Array:
+    """The same iteration with ``a`` folded into the small matrix, for GPUs: one matmul per update.
+
+    .. math:: A = X X^\\top, \\quad X \\leftarrow (a I + b A + c A^2)\\, X
+
+    In Megatron's order the addend ``a X`` needs a pass that reads ``X`` and
+    ``B X`` after the matmul (XLA's cuBLAS path does not fold a scaled addend
+    into the matmul). Here the ``[m, m]`` factor is combined in ``acc_dtype``
+    and rounded once to ``y.dtype``, and the product comes out in ``y.dtype``:
+    a step rounds three times, as Megatron's does (Gram, polynomial, product),
+    only ``a`` is rounded inside the factor instead of added in fp32, which not
+    every table tolerates (``_FOLDED_TABLES``).
+
+    ``tall=True`` runs the iteration of :math:`Y^\\top` on ``y`` as stored:
+    :math:`A = Y^\\top Y` and :math:`Y \\leftarrow Y F^\\top`, the transpose of
+    :math:`Y^\\top \\leftarrow F Y^\\top`. Every product names the axes it
+    contracts, so no pass transposes ``y``.
+
+    On bf16 stacks that :func:`lwjax.gram.fits`, both symmetric products
+    compute only their upper tiles (:func:`lwjax.gram.upper_gram`).
+    """
+    dot = functools.partial(_contract, precision=precision)
+    axis = -2 if tall else -1
+    eye = jnp.eye(y.shape[-1] if tall else y.shape[-2], dtype=acc_dtype)
+    use_kernel = gram_lib.fits(y.shape, axis, y.dtype)
+    for a, b, c in steps:
+        if use_kernel:  # upper tiles only; the exactly symmetric A makes A A^T equal A A
+            gram = gram_lib.upper_gram(y, axis, y.dtype)
+            square = gram_lib.upper_gram(gram, -1, acc_dtype)
+        else:
+            gram = dot(y, y, axis, dtype=y.dtype)
+            square = dot(gram, gram, -1, -2, dtype=acc_dtype)
+        factor = (a * eye + b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
+        y = dot(y, factor, -1, -1, dtype=y.dtype) if tall else dot(factor, y, -1, -2, dtype=y.dtype)
+    return y
+
+
+def _contract(
+    lhs: jax.Array, rhs: jax.Array, lhs_axis: int, rhs_axis: int | None = None, *, precision, dtype
+) -> jax.Array:
+    """Batched product summing ``lhs``'s axis ``lhs_axis`` against ``rhs``'s ``rhs_axis``.
+
+    ``rhs_axis`` defaults to ``lhs_axis``. Both axes are -1 or -2 of ``[..., m, n]``
+    stacks; the result is ``[..., lhs free axis, rhs free axis]``, e.g. ``(-1, -1)`` gives
+    :math:`A B^\\top` and ``(-2, -2)`` gives :math:`A^\\top B`.
+    """
+    rhs_axis = lhs_axis if rhs_axis is None else rhs_axis
+    batch = tuple(range(lhs.ndim - 2))
+    dims = (((lhs.ndim + lhs_axis,), (rhs.ndim + rhs_axis,)), (batch, batch))
+    return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=dtype)
+
+
+def _normalized(x: jax.Array, eps: float, dtype) -> jax.Array:
+    """:math:`x / \\max(\\lVert x \\rVert_F, \\epsilon)` per matrix, rounded to ``dtype``."""
+    norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+    return (x / jnp.maximum(norm, eps)).astype(dtype)
+
+
+def newton_schulz(
+    x: jax.Array,
+    coefficient_type: CoefficientType = "quintic",
+    num_ns_steps: int = 5,
+    *,
+    eps: float = 1e-7,
+    precision: Precision = "highest",
+    dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    r"""Approximately orthogonalise each matrix of a stack by Newton–Schulz iteration.
+
+    Each ``[m, n]`` matrix is transposed if tall (so the Gram matrix is the small one),
+    scaled to unit Frobenius norm, then pushed ``num_ns_steps`` times through an odd quintic:
+
+    .. math::
+
+      X_0 = \frac{x}{\max(\lVert x \rVert_F, \epsilon)}, \qquad
+      A_k = X_k X_k^\top, \qquad
+      X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2)\, X_k,
+
+    where :math:`\epsilon` is ``eps`` and :math:`(a_k, b_k, c_k)` walk
+    ``COEFFICIENT_SETS[coefficient_type]``. The coefficients favour speed over
+    convergence: singular values land near 1, not at 1, which Muon tolerates and which
+    saves steps. A zero matrix maps exactly to zero.
+
+    Off CUDA the steps run in Megatron's order, rounding as its ``addmm`` calls
+    do. On CUDA GPUs the ``"simple"``, ``"quintic"`` and ``"aol"`` tables fold
+    :math:`a_k` into the small matrix, :math:`X_{k+1} = (a_k I + b_k A_k + c_k
+    A_k^2) X_k` (:func:`_iterate_folded`: the same polynomial, one fewer pass
+    over each matrix per step, as many roundings; a tall matrix is iterated
+    as stored, its products reading it transposed), about as close to float64 as
+    Megatron's order (``docs/benchmarks.md``). Under ``"medium"`` the products :math:`A_k` and
+    :math:`A_k^2` of matrices that :func:`lwjax.gram.fits` compute only their
+    upper tiles. ``"polar_express"`` and ``"cans"`` stay in
+    Megatron's order there (see ``_FOLDED_TABLES``).
+
+    Args:
+      x: Array ``[..., m, n]`` of a floating dtype (narrower than fp32 is computed in fp32).
+      coefficient_type: One of ``COEFFICIENT_TYPES``.
+      num_ns_steps: Number of iterations, at least 1.
+      eps: Floor on the Frobenius norm used for normalisation.
+      precision: One of ``PRECISIONS``. ``"highest"``: full fp32 (or wider) matmuls.
+        ``"high"``: XLA's default fp32 dots (TF32 on recent GPUs, fp32 on CPU).
+        ``"medium"``: the normalised matrix and every intermediate are rounded to bf16,
+        with products and linear combinations accumulated in fp32.
+      dtype: Output dtype, ``x``'s by default. The iterate is bf16 under ``"medium"``,
+        so a bf16 output loses nothing there and takes half the bytes of fp32.
+
+    Returns:
+      Array of ``x``'s shape, in ``dtype``.
+
+    Raises:
+      ValueError: If ``x`` has rank < 2 or an option is outside its allowed set.
+      TypeError: If ``x`` is not floating or ``num_ns_steps`` is not an int.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> newton_schulz(jnp.ones((2, 3, 5))).shape
+      (2, 3, 5)
+
+    References:
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024
+    """
+    _check_matrix("newton_schulz", "x", x)
+    _check_choice("newton_schulz: coefficient_type", coefficient_type, COEFFICIENT_TYPES)
+    _check_num_ns_steps("newton_schulz: num_ns_steps", num_ns_steps)
+    _check_choice("newton_schulz: precision", precision, PRECISIONS)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"newton_schulz: eps must be a positive number; got {eps=}.")
+
+    acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
+    store_dtype = _storage_dtype(x.dtype, precision)
+    tall = x.shape[-2] > x.shape[-1]
+    options = dict(
+        steps=_coefficient_schedule(coefficient_type, num_ns_steps),
+        precision=_LAX_PRECISION[precision],
+        acc_dtype=acc_dtype,
+    )
+
+    def megatron_order(y):
+        """Transpose a tall matrix, normalise, iterate, transpose back."""
+        if tall:
+            y = jnp.swapaxes(y, -1, -2)
+        y = _iterate_exact(_normalized(y, eps, store_dtype), **options)
+        return jnp.swapaxes(y, -1, -2) if tall else y
+
+    def folded(y):
+        return _iterate_folded(_normalized(y, eps, store_dtype), tall=tall, **options)
+
+    on_cuda = folded if coefficient_type in _FOLDED_TABLES else megatron_order
+    y = lax.platform_dependent(x.astype(acc_dtype), default=megatron_order, cuda=on_cuda)
+    return y.astype(x.dtype if dtype is None else dtype)

@@ -1,0 +1,117 @@
+"""The pipelined step: Newton–Schulz starts as each gradient shard arrives, before the norm.
+
+The serial step (:func:`lwjax.step.update`) needs the global gradient norm
+before it can clip, so every Newton–Schulz waits for every reduce-scatter.
+:func:`update_pipelined` reduce-scatters the layer-wise buckets first and
+starts each bucket's Muon directions (momentum and Newton–Schulz) as soon as
+its shard is in, overlapping the remaining reduce-scatters. The directions
+come from unclipped gradients: a speculation that no Muon matrix's clip
+coefficient is below 1. After the norm, :func:`keep_or_redo` keeps them where
+the speculation held and computes them again from the clipped gradients where
+it did not, so the result is the serial step's up to rounding either way.
+Without clipping there is nothing to speculate on and the step is exact.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lwjax.buffers import check_tree
+from lwjax.plan import StepPlan
+from lwjax.step import (
+    GradStats,
+    LayerwiseState,
+    clip,
+    device_ranks,
+    finish,
+    grad_statistics,
+    muon_directions,
+    reduce_scatter,
+    update_and_gather,
+)
+
+
+def update_pipelined(plan: StepPlan, grads, state: LayerwiseState, params):
+    """:func:`lwjax.step.update` with each Muon bucket's directions computed as its shard arrives.
+
+    Same arguments and results; with clipping, ``metrics["recomputed"]`` says
+    whether the speculation failed and the directions were computed again.
+    """
+    check_tree(plan, grads, "update(grads)")
+    ranks = device_ranks(plan)
+    # 1-2. Layer-wise buckets reduce-scattered first (nothing elementwise can start before the
+    # norm), and each one's Muon directions computed from its unclipped shard as it arrives.
+    order = [
+        (s.buffer, s.bucket) for s in sorted(plan.schedule.steps, key=lambda s: not s.layer_wise)
+    ]
+    grad_shards = reduce_scatter(plan, grads, order)
+    directions = speculate(plan, state, grad_shards, ranks)
+    # 3. Norms, clip coefficients and the zero count.
+    stats = grad_statistics(plan, grad_shards, ranks)
+    checked = bool(plan.config.clip_grad and directions)
+    if checked:  # the speculation kept where it held, else each bucket's directions computed again
+        directions, recomputed = keep_or_redo(plan, directions, state, grad_shards, ranks, stats)
+    # 4-5. Each owned shard updated with its directions, cast, and gathered; 6. unpacked.
+    new = update_and_gather(
+        plan, state, grad_shards, ranks, stats, directions, momentum_final=checked
+    )
+    new_params, new_state, metrics = finish(plan, state, params, new, stats)
+    if checked:
+        metrics["recomputed"] = recomputed
+    return new_params, new_state, metrics
+
+
+def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, ranks) -> dict:
+    """Every layer-wise bucket's Muon directions in update order, each as soon as its shard is in.
+
+    The chain of barriers keeps XLA from running them in another order; the
+    reduce-scatters of later buckets run meanwhile. The gradients are taken
+    unclipped, which is exact only where the clip coefficients are all 1.
+    """
+    directions, previous = {}, ()
+    for s in plan.schedule.steps:
+        if not s.layer_wise:
+            continue
+        i, k = s.buffer, s.bucket
+        (moment, grad), _ = lax.optimization_barrier(
+            ((state.momenta[i][k], grad_shards[i][k]), previous)
+        )
+        directions[i, k] = previous = muon_directions(plan, i, k, moment, grad, ranks[i])
+    return directions
+
+
+def keep_or_redo(
+    plan: StepPlan, directions: dict, state: LayerwiseState, grad_shards, ranks, stats: GradStats
+):
+    """The speculative directions where they hold, else each bucket's directions computed again.
+
+    They hold if no Muon matrix's clip coefficient is below 1 and the
+    gradients are finite; otherwise they come again from the clipped
+    gradients, with the finite check.
+
+    Each bucket's recomputation is the body of its own ``while_loop`` that
+    runs at most once: a loop's carry is updated in place, where a
+    ``lax.cond`` copies what it passes through, and a loop per bucket lets
+    each bucket's update and gather start without waiting for every other
+    bucket's Newton–Schulz. (On GPU each loop reads its predicate on the
+    host; at dp 4 that cost nothing measurable.) A step with non-finite
+    gradients is skipped, but its loops run too: with the finite check they
+    hand back the old momentum, so every momentum that comes out is final and
+    the update selects none. Also returns whether the clip made it recompute.
+    """
+    muon_groups = sorted({plan.group_of[leaf] for leaf, r in enumerate(plan.routes) if r.is_muon})
+    clipped = stats.finite & jnp.logical_not(jnp.all(stats.coefs[np.asarray(muon_groups)] == 1))
+    redo = clipped | jnp.logical_not(stats.finite)
+    out = {}
+    for (i, k), speculative in directions.items():
+
+        def recompute(_, i=i, k=k):
+            grad = clip(grad_shards[i][k], stats.groups[i][k], stats.coefs)
+            return False, muon_directions(
+                plan, i, k, state.momenta[i][k], grad, ranks[i], stats.finite
+            )
+
+        _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (redo, speculative))
+    return out, clipped

@@ -1,0 +1,367 @@
+r"""The layer-wise step, phase by phase: one device's share, called inside ``shard_map``.
+
+Who holds what. Every data-parallel device holds the whole parameter pytree
+(with an expert axis, its own experts) and, per bucket, one shard of the
+optimizer state: the fp32 masters, Muon momenta and elementwise (Adam) moments
+of exactly the parameters it owns (:mod:`lwjax.plan`). A Muon matrix is always
+owned whole, so Newton–Schulz runs locally on full matrices and never twice.
+
+One step (:func:`update`):
+
+1. pack the local gradients into flat buckets, divided by ``dp * ep``;
+2. ``psum_scatter`` each bucket: every device receives the mean gradient of its shard;
+3. one ``psum`` of a few per-device sums gives the gradient norm of each norm
+   group (each element lives in one shard, so nothing is counted twice), the
+   clip coefficients :math:`c = \min(1, \text{clip} / (\lVert g \rVert + 10^{-6}))`
+   and the zero count;
+4. update the owned shards: Muon on the owned matrices, one batched call per
+   slot group (:func:`~lwjax.muon.muon_polar`, then
+   :func:`~lwjax.muon.apply_polar`), the elementwise transform plus decoupled
+   weight decay on the flat elementwise shards. A non-finite norm keeps the old
+   state, selected inside the update rather than branched on;
+5. cast each updated master shard to the parameter dtype and gather it
+   (``all_gather``, or Megatron's broadcast);
+6. unpack the gathered buckets into the parameter pytree.
+
+Phases 4 and 5 run bucket by bucket in the order of the plan's
+:class:`~lwjax.schedule.BucketSchedule`, which pairs each gather with a later
+bucket's update so that it hides behind Newton–Schulz. The speculative variant,
+:func:`lwjax.pipelined.update_pipelined`, starts Newton–Schulz before the norm is known.
+
+Gradient scale. Every local gradient is divided by ``dp * ep``, Megatron's
+``1 / dp_cp_size``. A dense gradient is then summed over all ``dp * ep``
+devices. An expert's local gradient already sums its expert-parallel group's
+tokens (the token exchange of an expert-parallel forward transposes into that
+sum), so its sum over ``dp`` is the gradient of the global mean loss too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lwjax import muon as muon_lib
+from lwjax import shards
+from lwjax.buffers import check_tree, pack, unpack
+from lwjax.plan import StepPlan
+
+CLIP_EPS = 1e-6
+
+
+class LayerwiseState(NamedTuple):
+    """State of :func:`lwjax.layerwise_muon`; arrays only, sharded over the data-parallel axes.
+
+    Per buffer and bucket, one global array of ``shards * S_b`` elements whose
+    shard ``r`` lives on the device of rank ``r`` (:mod:`lwjax.plan`).
+    """
+
+    count: jax.Array  # shape=(), int32: applied (not skipped) steps.
+    masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 master weights.
+    momenta: tuple[tuple[jax.Array, ...] | None, ...]  # Muon momentum; None if elementwise.
+    elementwise: tuple[tuple[Any, ...] | None, ...]  # optax state; None if layer-wise.
+
+
+class GradStats(NamedTuple):
+    """Phase 3's results: global gradient statistics and per-element norm groups."""
+
+    norms: jax.Array  # [groups]: L2 norm of each norm group, group 0 the main norm.
+    coefs: jax.Array  # [groups]: clip coefficient of each group.
+    zeros: jax.Array  # shape=(), int32: zero gradient elements (padding excluded).
+    finite: jax.Array  # shape=(), bool: every norm is finite (else the step is skipped).
+    groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
+
+
+def update(plan: StepPlan, grads, state: LayerwiseState, params):
+    """One step of this device: ``(grads, state, params) -> (params, state, metrics)``.
+
+    Args:
+      plan: The optimizer's :class:`StepPlan`.
+      grads: This device's gradients of its local mean loss, shaped like ``params``.
+      state: This device's shards of the :class:`LayerwiseState`.
+      params: The parameters (their dtypes are kept).
+
+    Returns:
+      The new parameters, state and metrics (``grad_norm``, ``clip_coef``,
+      ``num_zeros``, ``update_rms``, ``skipped``, and per separate norm group
+      ``grad_norm/<group>``, ``clip_coef/<group>``).
+    """
+    check_tree(plan, grads, "update(grads)")
+    ranks = device_ranks(plan)
+    # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
+    grad_shards = reduce_scatter(plan, grads)
+    # 3. Norms, clip coefficients and the zero count, from one psum over all data-parallel devices.
+    stats = grad_statistics(plan, grad_shards, ranks)
+    # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
+    new = update_and_gather(plan, state, grad_shards, ranks, stats)
+    # 6. The gathered buckets unpacked into parameters.
+    return finish(plan, state, params, new, stats)
+
+
+def device_ranks(plan: StepPlan) -> list[jax.Array]:
+    """This device's shard index in each buffer."""
+    return [lax.axis_index(plan.axes.of(b.key)) for b in plan.buffers]
+
+
+def reduce_scatter(plan: StepPlan, grads, order=None) -> list[list[jax.Array]]:
+    """Phases 1–2: pack local gradients divided by ``dp * ep``; reduce-scatter each bucket.
+
+    ``order`` lists ``(buffer, bucket)`` pairs in program order (default:
+    buffer by buffer); XLA's scheduler may still run them in another.
+    Returns, per buffer and bucket, this device's summed shard in the master dtype.
+    """
+    dtype = plan.master_dtype
+    packed = pack(
+        plan,
+        jax.tree.map(lambda g: g.astype(dtype) / plan.axes.num_data, grads),
+        dtypes=[b.key.grad_dtype for b in plan.buffers],
+    )
+    if order is None:
+        order = [(i, k) for i, b in enumerate(plan.buffers) for k in range(b.num_buckets)]
+    out = [[None] * b.num_buckets for b in plan.buffers]
+    for i, k in order:
+        out[i][k] = lax.psum_scatter(
+            packed[i][k], plan.axes.of(plan.buffers[i].key), tiled=True
+        ).astype(dtype)
+    return out
+
+
+def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
+    r"""Phase 3: per norm group the global gradient norm and clip coefficient; the zero count.
+
+    .. math::
+
+       \lVert g_k \rVert^2 = \sum_{\text{devices}}
+       \sum_{i \in \text{shard},\, \text{group}(i) = k} g_i^2
+
+    Padding is excluded from the zero count.
+    """
+    groups = [
+        [
+            shards.per_element(buffer, k, rank, plan.group_of, np.int32)
+            for k in range(buffer.num_buckets)
+        ]
+        for buffer, rank in zip(plan.buffers, ranks)
+    ]
+    num_groups = len(plan.norm_groups)
+    sums, zeros = [0] * num_groups, 0
+    for buffer, buckets, rank, bucket_groups in zip(plan.buffers, grad_shards, ranks, groups):
+        for x, group in zip(buckets, bucket_groups):
+            square = jnp.square(x)
+            if isinstance(group, jax.Array):
+                for g in range(num_groups):
+                    sums[g] = sums[g] + jnp.sum(jnp.where(group == g, square, 0))
+            else:
+                sums[group] = sums[group] + jnp.sum(square)
+            zeros = zeros + jnp.sum(x == 0, dtype=jnp.int32)
+        padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
+        zeros = zeros - shards.rank_row(padding, rank)[0]
+    dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
+    sums, zeros = jnp.stack([jnp.asarray(s, dtype) for s in sums]), jnp.asarray(zeros, jnp.int32)
+    sums, zeros = lax.psum((sums, zeros), plan.axes.data)
+    norms = jnp.sqrt(sums)
+    finite = jnp.all(jnp.isfinite(norms))
+    return GradStats(norms, _clip_coefficients(norms, plan.config.clip_grad), zeros, finite, groups)
+
+
+def _clip_coefficients(norms: jax.Array, clip_grad: float | None) -> jax.Array:
+    r"""Per group :math:`c_k = \min(1, \text{clip} / (\lVert g_k \rVert + 10^{-6}))`, or ones."""
+    if not clip_grad:
+        return jnp.ones_like(norms)
+    return jnp.minimum(1.0, clip_grad / (norms + CLIP_EPS)).astype(norms.dtype)
+
+
+def clip(grad_shard: jax.Array, group, coefs: jax.Array) -> jax.Array:
+    """A gradient shard scaled by its elements' norm-group clip coefficients."""
+    return grad_shard * coefs[group]
+
+
+def update_and_gather(
+    plan: StepPlan,
+    state: LayerwiseState,
+    grad_shards,
+    ranks,
+    stats: GradStats,
+    directions=None,
+    momentum_final: bool = True,
+):
+    """Phases 4–5, bucket by bucket in the schedule's order: new masters, moments, gathered buckets.
+
+    One optimization barrier per bucket pins the order and makes the gathers
+    due by then land first, so each gather runs during the later update the
+    schedule chose for it rather than after the last one. ``directions`` maps
+    ``(buffer, bucket)`` to Muon directions computed earlier (by
+    :func:`lwjax.pipelined.update_pipelined`), whose momentum is final after
+    the finite check if ``momentum_final``. Returns ``(masters, moments,
+    gathered, delta_sq)``, the last the sum of squared master changes.
+    """
+    lrs = plan.learning_rate(state.count), plan.adam_learning_rate(state.count)
+    masters = [list(b) for b in state.masters]
+    moments = [
+        list(m if b.key.is_layer_wise else e)
+        for b, m, e in zip(plan.buffers, state.momenta, state.elementwise)
+    ]
+    gathered = [[None] * b.num_buckets for b in plan.buffers]
+    delta_sq, previous = jnp.zeros([], plan.master_dtype), ()
+    steps = plan.schedule.steps
+    for t, step in enumerate(steps):
+        i, k = step.buffer, step.bucket
+        due = [(s.buffer, s.bucket) for s in map(steps.__getitem__, plan.schedule.lands_before(t))]
+        own = (directions or {}).get((i, k))
+        # The bucket waits for the previous update; the gathers due by now land first.
+        inputs = (masters[i][k], moments[i][k], grad_shards[i][k], own)
+        (master, moment, grad, own), _, arrived = lax.optimization_barrier(
+            (inputs, previous, [gathered[a][b] for a, b in due])
+        )
+        for (a, b), x in zip(due, arrived):
+            gathered[a][b] = x
+        masters[i][k], moments[i][k], d = update_bucket(
+            plan, i, k, master, moment, grad, own, ranks[i], stats, lrs, momentum_final
+        )
+        delta_sq += d
+        buffer = plan.buffers[i]
+        previous = masters[i][k].astype(buffer.key.param_dtype)
+        gathered[i][k] = shards.gather_bucket(
+            previous, plan.axes.of(buffer.key), ranks[i], buffer.dp, plan.config.param_sync
+        )
+    return masters, moments, gathered, delta_sq
+
+
+def update_bucket(
+    plan: StepPlan, i, k, master, moment, grad, directions, rank, stats, lrs, momentum_final
+):
+    """Phase 4 of bucket ``k`` of buffer ``i``: clip, then Muon or the elementwise update.
+
+    ``moment`` is the Muon momentum of a layer-wise bucket, else the
+    elementwise optax state; ``lrs`` the Muon and elementwise learning rates.
+    Directions computed earlier (``directions``) were taken from gradients
+    that needed no clip; others are computed here, after the finite check.
+    """
+    if plan.config.clip_grad and directions is None:
+        grad = clip(grad, stats.groups[i][k], stats.coefs)
+    if not plan.buffers[i].key.is_layer_wise:
+        return update_elementwise(plan, i, k, master, moment, grad, rank, stats.finite, lrs[1])
+    if directions is None:  # after the finite check: a skipped step's momentum is the old one
+        directions = muon_directions(plan, i, k, moment, grad, rank, stats.finite)
+        momentum_final = True
+    return apply_muon(
+        plan, i, k, master, moment, directions, rank, stats.finite, lrs[0], momentum_final
+    )
+
+
+def muon_directions(plan: StepPlan, i: int, k: int, momentum, grad, rank, finite=None) -> list:
+    """Phase 4a of a layer-wise bucket: :func:`~lwjax.muon.muon_polar` of each slot group.
+
+    Reads this rank's matrices with one slice or gather per slot group; needs
+    no master weights, so it can run as soon as the bucket's gradient shard
+    has arrived. Given the step's ``finite`` check, a skipped step's momentum
+    comes back unchanged (final: :func:`apply_muon` need not select it).
+    """
+    groups, scratch = shards.slot_groups(plan.buffers[i], k)
+    momentum, grad = shards.with_scratch(momentum, scratch), shards.with_scratch(grad, scratch)
+    skip = None if finite is None else jnp.logical_not(finite)
+    out = []
+    for group in groups:
+        offsets = shards.rank_row(group.offsets, rank)
+        out.append(
+            muon_lib.muon_polar(
+                shards.take(grad, offsets, group.shape, plan.transpose),
+                shards.take(momentum, offsets, group.shape, plan.transpose),
+                config=plan.muon,
+                qkv_split_shapes=group.qkv_split_shapes,
+                skip=skip,
+            )
+        )
+    return out
+
+
+def apply_muon(
+    plan: StepPlan, i, k, master, momentum, directions, rank, finite, lr, momentum_final=True
+):
+    """Phase 4b of a layer-wise bucket: :func:`~lwjax.muon.apply_polar` of each slot group.
+
+    Group ``j`` steps with learning rate ``lr * lr_mult_j`` and weight decay
+    ``weight_decay * wd_mult_j``; matrices are written back in place. Returns
+    the new master and momentum shards (the old ones where ``finite`` is
+    false; ``momentum_final``: the directions' momentum already is) and the
+    sum of squared master changes.
+    """
+    buffer = plan.buffers[i]
+    groups, scratch = shards.slot_groups(buffer, k)
+    master, momentum = shards.with_scratch(master, scratch), shards.with_scratch(momentum, scratch)
+    delta_sq = jnp.zeros([], master.dtype)
+    for group, (polar, new_m) in zip(groups, directions):
+        offsets = shards.rank_row(group.offsets, rank)
+        old_p = shards.take(master, offsets, group.shape, plan.transpose)
+        new_p = muon_lib.apply_polar(
+            old_p,
+            polar,
+            learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
+            weight_decay=plan.config.weight_decay * group.wd_mult,
+            config=plan.muon,
+            qkv_split_shapes=group.qkv_split_shapes,
+        )
+        new_p = jnp.where(finite, new_p, old_p)
+        if not momentum_final:
+            new_m = jnp.where(
+                finite, new_m, shards.take(momentum, offsets, group.shape, plan.transpose)
+            )
+        delta_sq += jnp.sum(jnp.square(new_p - old_p))
+        if plan.transpose:
+            new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
+        master, momentum = shards.put(master, offsets, new_p), shards.put(momentum, offsets, new_m)
+    size = buffer.shard_sizes[k]
+    return master[:size], momentum[:size], delta_sq
+
+
+def update_elementwise(plan: StepPlan, i: int, k: int, master, tx_state, grad, rank, finite, lr):
+    r"""Phase 4 of an elementwise bucket: the elementwise transform plus decoupled weight decay.
+
+    .. math:: p \leftarrow p - \eta\, m_\eta (u + \lambda m_\lambda p), \qquad u = \text{tx}(g)
+
+    ``m_η`` and ``λ m_λ`` (zero on 1-D parameters) are per element
+    (:func:`~lwjax.shards.per_element`). Returns the new master and optax state
+    (the old ones where ``finite`` is false) and the sum of squared master changes.
+    """
+    buffer = plan.buffers[i]
+    lr_mult = shards.per_element(buffer, k, rank, plan.lr_mult_of)
+    decay = shards.per_element(buffer, k, rank, plan.decay_of)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    direction, new_tx_state = plan.elementwise.update(grad, tx_state, master)
+    step = lr * lr_mult if not (isinstance(lr_mult, (int, float)) and lr_mult == 1) else lr
+    new_master = keep(master - step * (direction + decay * master), master)
+    return (
+        new_master,
+        jax.tree.map(keep, new_tx_state, tx_state),
+        jnp.sum(jnp.square(new_master - master)),
+    )
+
+
+def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats):
+    """Phase 6: the new state, the gathered buckets unpacked into parameters, and the metrics."""
+    masters, moments, gathered, delta_sq = new
+    new_state = LayerwiseState(
+        jnp.where(stats.finite, state.count + 1, state.count),
+        tuple(tuple(m) for m in masters),
+        tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
+        tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
+    )
+    real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
+    update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.data) / real_numel)
+    new_params = unpack(
+        plan, [tuple(g) for g in gathered], dtypes=[x.dtype for x in jax.tree.leaves(params)]
+    )
+    metrics = {
+        "grad_norm": stats.norms[0],
+        "clip_coef": stats.coefs[0],
+        "num_zeros": stats.zeros,
+        "update_rms": update_rms,
+        "skipped": jnp.logical_not(stats.finite),
+    }
+    for g, name in enumerate(plan.norm_groups[1:], start=1):
+        metrics[f"grad_norm/{name}"] = stats.norms[g]
+        metrics[f"clip_coef/{name}"] = stats.coefs[g]
+    return new_params, new_state, metrics

@@ -1,0 +1,238 @@
+"""``lwjax bench``: time lwjax's optimizer step (or, ``--train-step``, a training step).
+
+The optimizer step runs :func:`lwjax.tools.bench.run_bench` (lwjax against
+replicated optax Muon and, optionally, Megatron-Core); ``--train-step`` runs
+:func:`lwjax.tools.train_bench.run_train_bench` (lwjax Muon, lwjax AdamW and
+optax AdamW). Both print a table, or their records as JSON, and can write
+``bench.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from lwjax.layout import DEFAULT_POLICY, POLICIES
+from lwjax.tools.render import print_bench, print_json, print_train_bench, require_rich
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Time lwjax's optimizer step (or, with --train-step, a training step) and its baselines."""
+    if args.train_step:
+        if args.megatron or args.profile or args.grad_std is not None:
+            raise ValueError(
+                "--megatron, --profile and --grad-std apply to the optimizer step only; drop "
+                "them with --train-step."
+            )
+    elif (args.seq_len, args.micro_batch, args.remat) != (None, None, False):
+        raise ValueError("--seq-len, --micro-batch and --remat apply to --train-step only.")
+    if not args.json:
+        require_rich()  # before the benchmark runs, not after
+    from lwjax.tools.demo.devices import request_cpu_devices
+
+    request_cpu_devices(max(args.dp))
+    if args.train_step:
+        return _bench_train_step(args)
+    from lwjax.tools.bench import BenchConfig, run_bench
+
+    config = BenchConfig(
+        workload=args.workload,
+        layers=args.layers,
+        dp_sizes=tuple(args.dp),
+        iters=args.iters,
+        warmup=BenchConfig.warmup if args.warmup is None else args.warmup,
+        param_dtype=args.param_dtype,
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        ns_precision=args.ns_precision,
+        policy=args.policy,
+        bucket_size=args.bucket_size,
+        baselines=args.baselines,
+        megatron_script=args.megatron,
+        profile_dir=args.profile,
+        pgle=args.pgle,
+        grad_std=BenchConfig.grad_std if args.grad_std is None else args.grad_std,
+        pipeline_muon=args.pipeline_muon,
+    )
+    records = run_bench(config)
+    if not _emit_records(args, records):
+        print_bench(records)
+    return 0
+
+
+def _bench_train_step(args: argparse.Namespace) -> int:
+    """``bench --train-step``: full training steps, lwjax Muon against AdamW."""
+    from lwjax.tools.train_bench import MUON, TrainBenchConfig, run_train_bench
+
+    config = TrainBenchConfig(
+        workload=args.workload,
+        layers=args.layers,
+        dp_sizes=tuple(args.dp),
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        remat=args.remat,
+        iters=args.iters,
+        warmup=TrainBenchConfig.warmup if args.warmup is None else args.warmup,
+        param_dtype=args.param_dtype,
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        ns_precision=args.ns_precision,
+        policy=args.policy,
+        bucket_size=args.bucket_size,
+        pipeline_muon=args.pipeline_muon,
+        pgle=args.pgle,
+        baselines=args.baselines,
+    )
+    records = run_train_bench(config)
+    if not _emit_records(args, records):
+        print_train_bench(records, MUON)
+    return 0
+
+
+def _emit_records(args: argparse.Namespace, records: list[dict]) -> bool:
+    """Write bench.json into ``--out``, if given; return whether ``--json`` printed the records."""
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(args.out) / "bench.json").write_text(json.dumps(records, indent=1) + "\n")
+    if args.json:
+        print_json(records)
+    return args.json
+
+
+def _bucket_size(text: str) -> int | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, 'none' or 'auto'; got {text!r}"
+        ) from None
+
+
+def _dp_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers; got {text!r}"
+        ) from None
+    return values
+
+
+def add_parser(subparsers) -> None:
+    """Add ``bench`` and its flags to the ``lwjax`` subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="time the optimizer step against replicated optax Muon "
+        "(--train-step: a full training step)",
+        description=(
+            "Time lwjax's optimizer step against replicated optax Muon on Megatron-shaped "
+            "workloads: 'step ms' is the median of synchronised steps, 'back to back' the time "
+            "per step of steps dispatched without synchronising, as a training loop runs them "
+            "(Megatron's times are CUDA-event times). With --train-step, time a full training "
+            "step (forward, backward, optimizer) of the workload's Llama with lwjax Muon, lwjax "
+            "AdamW (ZeRO-1) and replicated optax AdamW, and report Muon's overhead."
+        ),
+    )
+    p.add_argument("--workload", choices=("small", "1b", "8b"), default="small")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument(
+        "--dp", type=_dp_list, default=[1, 2, 4, 8], help="data-parallel sizes, e.g. 1,2,4,8"
+    )
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed calls before timing (default 8: a pipelined step's first calls run slow)",
+    )
+    _add_optimizer_flags(p)
+    _add_train_step_flags(p)
+    p.add_argument("--json", action="store_true", help="print the records as JSON")
+    p.add_argument("--out", default=None, help="also write bench.json into this directory")
+    p.set_defaults(command=_cmd_bench, command_name="bench")
+
+
+def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
+    """The optimizer's options, its baselines and how its step is compiled and measured."""
+    p.add_argument("--param-dtype", default="bfloat16")
+    p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--ns-precision",
+        "--muon-fp32-matmul-prec",
+        dest="ns_precision",
+        choices=("highest", "high", "medium"),
+        default="medium",
+    )
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
+    p.add_argument(
+        "--bucket-size",
+        "--ddp-bucket-size",
+        dest="bucket_size",
+        type=_bucket_size,
+        default="auto",
+        help="elements per bucket, 'none' for one bucket per buffer, or 'auto' (default)",
+    )
+    p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--megatron",
+        default=None,
+        metavar="megatron_bench.py",
+        help="also time Megatron-Core with this script (GPU host with megatron-core installed)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="trace lwjax steps into DIR and summarise kernels",
+    )
+    p.add_argument(
+        "--pgle",
+        action="store_true",
+        help="compile lwjax's step (with --train-step: every contender's) with profile-guided "
+        "latency estimates (JAX's PGLE)",
+    )
+    p.add_argument(
+        "--grad-std",
+        type=float,
+        default=None,
+        help="std of each device's random gradients (default 1e-2: the clip binds every step); "
+        "the mean gradient's norm is about std*sqrt(params/dp), reported; passed on to Megatron",
+    )
+    p.add_argument(
+        "--pipeline-muon",
+        action="store_true",
+        help="lwjax's Newton-Schulz overlaps the reduce-scatters, speculating that clipping does "
+        "not bind (OptimizerConfig.pipeline_muon)",
+    )
+
+
+def _add_train_step_flags(p: argparse.ArgumentParser) -> None:
+    """``--train-step`` and the training step's shape."""
+    p.add_argument(
+        "--train-step",
+        action="store_true",
+        help="time a full training step with lwjax Muon, lwjax AdamW and optax AdamW instead",
+    )
+    p.add_argument(
+        "--seq-len",
+        "--seq-length",
+        dest="seq_len",
+        type=int,
+        default=None,
+        help="with --train-step: tokens per sequence (default 2048; small workload 128)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        "--micro-batch-size",
+        dest="micro_batch",
+        type=int,
+        default=None,
+        help="with --train-step: sequences per device per step "
+        "(default 4 for 1b, 2 for 8b and small)",
+    )
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="with --train-step: recompute each layer's activations in the backward pass",
+    )

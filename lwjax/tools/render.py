@@ -1,0 +1,265 @@
+"""How the ``lwjax`` commands print: number formats, rich tables and JSON.
+
+The formatters and the JSON writer are plain Python. ``rich`` is the ``tools``
+extra and is imported inside the functions that draw: :func:`console` and
+:func:`table` first call :func:`require_rich`, which turns a missing ``rich``
+into the one-line usage error that :func:`lwjax.tools.cli.main` prints. The
+layout tables live in :mod:`lwjax.tools.render_layout`; the tables of
+``lwjax bench`` and ``lwjax convert`` live here. Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from collections.abc import Iterator, Sequence
+
+NEEDS_TOOLS_EXTRA = "this command needs the tools extra: pip install 'lwjax[tools]'"
+
+
+def require_rich() -> None:
+    """Raise the usage error of a command that renders when ``rich`` is not installed.
+
+    Raises:
+      ValueError: ``rich`` (the ``tools`` extra) cannot be imported; the CLI
+        prints ``lwjax <command>: <message>`` and exits with status 2.
+    """
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise ValueError(NEEDS_TOOLS_EXTRA) from None
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def count(n: int) -> str:
+    """An element or parameter count: exact below 100k, else 3 significant digits (K, M, B)."""
+    if n < 100_000:
+        return f"{n:,}"
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def flops(n: int) -> str:
+    """FLOPs with an SI prefix."""
+    if n == 0:
+        return "0"
+    for scale, suffix in (
+        (1e18, "E"),
+        (1e15, "P"),
+        (1e12, "T"),
+        (1e9, "G"),
+        (1e6, "M"),
+        (1e3, "k"),
+    ):
+        if n >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return str(n)
+
+
+def ratio(value: float | None) -> str:
+    """A max/mean ratio to 3 decimals; a dash where there is none."""
+    return "—" if value is None else f"{value:.3f}"
+
+
+def pct(value: float) -> str:
+    """A percentage to 2 decimals."""
+    return f"{value:.2f}%"
+
+
+# --------------------------------------------------------------------------- rich and JSON
+
+
+def console():
+    """A ``rich.console.Console`` on stdout, 160 columns wide when stdout is not a terminal."""
+    require_rich()
+    from rich.console import Console
+
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+
+
+def table(title: str, columns: Sequence[str], *, text_columns: int = 1):
+    """A table whose first ``text_columns`` columns are left-aligned text, the rest numbers."""
+    require_rich()
+    from rich.table import Table
+
+    result = Table(title=title, title_justify="left", title_style="bold")
+    for i, name in enumerate(columns):
+        result.add_column(name, justify="left" if i < text_columns else "right", no_wrap=True)
+    return result
+
+
+def json_text(obj, depth: int = 0) -> str:
+    """JSON with one entry per line, but lists of numbers kept on one line."""
+    pad, inner = " " * depth, " " * (depth + 1)
+    if isinstance(obj, dict) and obj:
+        items = (f"{inner}{json.dumps(k)}: {json_text(v, depth + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, list) and any(isinstance(x, (dict, list)) for x in obj):
+        return "[\n" + ",\n".join(f"{inner}{json_text(x, depth + 1)}" for x in obj) + f"\n{pad}]"
+    return json.dumps(obj)
+
+
+def print_json(obj) -> None:
+    """Print ``obj`` as :func:`json_text` on stdout."""
+    sys.stdout.write(json_text(obj) + "\n")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def print_bench(records: Sequence[dict]) -> None:
+    """The optimizer-step table of ``lwjax bench``: one row per contender and dp, plus floors."""
+    first = records[0]
+    norms = ", ".join(
+        f"{r['grad_norm']:.3g} at dp {r['dp']}" for r in records if r["contender"] == "lwjax"
+    )
+    title = (
+        f"Optimizer step, {first['workload']} workload ({first['layers']} layers, "
+        f"{count(first['params'])} params) on {first['device']}, jax {first['jax']}; "
+        "gradient norm (clip 1.0) " + norms
+    )
+    columns = ["contender", "dp", "step ms", "back to back", "vs lwjax", "state bytes / device"]
+    rows = table(title, columns)
+    lwjax_ms = {r["dp"]: r["step_ms"] for r in records if r["contender"] == "lwjax"}
+    for r in records:
+        nbytes = r.get("state_bytes_per_device")
+        rows.add_row(
+            r["contender"],
+            str(r["dp"]),
+            f"{r['step_ms']:.2f}",
+            f"{r['back_to_back_ms']:.2f}" if "back_to_back_ms" in r else "—",
+            f"{r['step_ms'] / lwjax_ms[r['dp']]:.2f}x",
+            "—" if nbytes is None else count(nbytes),
+        )
+        if "floor_sum_ms" in r:
+            rows.add_row(
+                f"  floor: RS {r['rs_ms']:.2f} + AG {r['ag_ms']:.2f} + NS {r['ns_ms']:.2f} ms",
+                str(r["dp"]),
+                f"{r['floor_sum_ms']:.2f}",
+                f"{r['floor_sum_back_to_back_ms']:.2f}",
+                f"{r['floor_sum_ms'] / r['step_ms']:.2f}x",
+                "",
+                style="dim",
+            )
+        if "floor_sum_computed_ms" in r and r["floor_sum_computed_ms"] != r["floor_sum_ms"]:
+            rows.add_row(
+                f"  the same, FLOPs lwjax computes: NS {r['ns_computed_ms']:.2f} ms",
+                str(r["dp"]),
+                f"{r['floor_sum_computed_ms']:.2f}",
+                "",
+                f"{r['floor_sum_computed_ms'] / r['step_ms']:.2f}x",
+                "",
+                style="dim",
+            )
+    console().print(rows)
+
+
+def print_train_bench(records: Sequence[dict], muon: str) -> None:
+    """The training-step table of ``lwjax bench --train-step``; ``muon`` names lwjax Muon's rows."""
+    first = records[0]
+    title = (
+        f"Training step, {first['workload']} workload ({first['layers']} layers, "
+        f"{count(first['params'])} params), {first['micro_batch']} × {first['seq_len']} tokens "
+        f"per device, remat {'on' if first['remat'] else 'off'}, {first['param_dtype']}, "
+        f"on {first['device']}, jax {first['jax']}"
+    )
+    columns = [
+        "contender",
+        "dp",
+        "step ms",
+        "optimizer ms",
+        "tokens/s",
+        "MFU",
+        "Muon overhead",
+        "memory / device",
+    ]
+    rows = table(title, columns)
+    overhead = {
+        (r["dp"], name): value
+        for r in records
+        if r["contender"] == muon
+        for name, value in r["muon_overhead_pct"].items()
+    }
+    for r in records:
+        nbytes = r["compiled_bytes_per_device"]
+        over = overhead.get((r["dp"], r["contender"]))
+        rows.add_row(
+            r["contender"],
+            str(r["dp"]),
+            f"{r['step_ms']:.2f}",
+            f"{r['optimizer_ms']:.2f}" if "optimizer_ms" in r else "—",
+            f"{r['tokens_per_s']:,.0f}",
+            "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            "—" if over is None else f"{over:+.1f}%",
+            "—" if nbytes is None else f"{nbytes / 1e9:.2f} GB",
+        )
+    out = console()
+    out.print(rows)
+    out.print(
+        "[dim]optimizer ms: step ms minus forward+backward's; Muon overhead: lwjax Muon's step "
+        "time over this row's, minus 1; memory: XLA's estimate for the compiled step "
+        "(arguments + outputs - donated + temporaries).[/]"
+    )
+
+
+# --------------------------------------------------------------------------- convert
+
+
+@contextlib.contextmanager
+def convert_progress(out) -> Iterator:
+    """A transient progress bar on the console ``out``; yields ``report(stage, done, total)``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=out, transient=True) as progress:
+        task = progress.add_task("converting", total=3)
+
+        def report(stage: str, done: int, total: int) -> None:
+            progress.update(task, description=stage, completed=done, total=total)
+
+        yield report
+
+
+def convert_json(summary) -> dict:
+    """A :class:`~lwjax.megatron.convert.ConvertSummary` as the JSON of ``convert --json``."""
+    return {
+        "source": summary.source,
+        "target": summary.target,
+        "src": summary.src,
+        "dst": summary.dst,
+        "iteration": summary.iteration,
+        "seconds": summary.seconds,
+        "notes": summary.notes,
+        "params": [
+            {"key": k, "shape": list(s), "dtype": d, "state": st} for k, s, d, st in summary.rows
+        ],
+    }
+
+
+def print_convert(out, summary) -> None:
+    """The table of a conversion's parameters on the console ``out``, then its source notes."""
+    notes = ", ".join(f"{k} {v}" for k, v in summary.notes.items() if v is not None)
+    rows = table(
+        f"{summary.src} ({summary.source}) -> {summary.dst} ({summary.target}) · "
+        f"iteration {summary.iteration} · {summary.seconds:.2f} s",
+        ["parameter", "shape", "dtype", "optimizer state"],
+        text_columns=4,
+    )
+    for key, shape, dtype, state in summary.rows:
+        rows.add_row(key, "×".join(map(str, shape)), dtype, state)
+    numel = sum(math.prod(shape) for _, shape, _, _ in summary.rows)
+    rows.add_row(f"{len(summary.rows)} parameters", count(numel), "", "", style="bold")
+    out.print(rows)
+    if notes:
+        out.print(f"[dim]source: {notes}[/]")

@@ -1,0 +1,455 @@
+"""Benchmark of a full training step: lwjax Muon against AdamW on the same Llama.
+
+:mod:`lwjax.tools.bench` times the optimizer alone. This module times what a user pays
+per step: forward, backward and optimizer of a Megatron-shaped Llama, data
+parallel over a 1-D mesh axis ``dp``, and reports Muon's overhead over AdamW.
+
+Model. Megatron-Core's GPT of :mod:`lwjax.megatron.model` (the one the
+Megatron import runs) over the tree of the workload's
+:class:`~lwjax.megatron.gpt.GPTConfig` (:data:`lwjax.tools.bench.WORKLOADS`):
+weights ``[out, in]``, layers stacked and scanned (optionally rematerialised),
+parameters and activations in ``param_dtype``, fp32 norms, rotary embeddings,
+softmax and logits for the mean next-token cross-entropy.
+
+Data. One fixed batch of uniformly random tokens (``micro_batch`` sequences of
+``seq_len + 1`` tokens per device) is reused every step: synthetic, since the
+step time does not depend on the token values.
+
+Contenders, each one jitted ``shard_map`` step over the same devices and batch,
+parameters and optimizer state donated:
+
+* ``lwjax Muon``: local loss and gradients, then ``layerwise_muon``'s update
+  (reduce-scatter, clip, Muon on owned matrices and Adam on owned elements,
+  all-gather), built as :mod:`lwjax.tools.bench` builds it;
+* ``lwjax AdamW (ZeRO-1)``: the same sharded optimizer with every parameter
+  routed to Adam, i.e. the same communication without Newton–Schulz;
+* ``optax AdamW (replicated)``: ``pmean`` of the gradients (all-reduce) and
+  ``optax.adamw`` on fp32 parameters replicated on every device (the JAX status
+  quo);
+* ``forward+backward``: loss and gradients only, no communication and no
+  optimizer; each contender's ``optimizer_ms`` is its step time minus this one.
+
+Each is timed as the median of ``iters`` steps after ``warmup`` steps,
+synchronised with ``jax.block_until_ready``. Memory is XLA's buffer
+assignment for the compiled step; on GPU it matched the allocator's
+measured peak (``peak_bytes_so_far``) for every contender.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lwjax.layout import DEFAULT_POLICY
+from lwjax.megatron.gpt import GPTConfig
+from lwjax.megatron.model import gpt_loss, init_params
+from lwjax.optimizer import LayerwiseOptimizer
+from lwjax.tools.bench import (
+    WARMUP_STEPS,
+    WORKLOADS,
+    pgle,
+    time_steps,
+    warmup_calls,
+    workload_config,
+    workload_optimizer,
+)
+from lwjax.tools.demo.devices import bytes_per_device
+from lwjax.train import jit_shard_map
+
+MUON = "lwjax Muon"
+ADAMW_SHARDED = "lwjax AdamW (ZeRO-1)"
+ADAMW_REPLICATED = "optax AdamW (replicated)"
+FORWARD_BACKWARD = "forward+backward"
+CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)
+
+# (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the
+# small one CPU-sized.
+TRAIN_DEFAULTS = {"small": (128, 2), "1b": (2048, 4), "8b": (2048, 2)}
+# Dense bf16 peak of one device in FLOP/s, by a substring of ``device_kind`` (vendor
+# datasheets, SXM parts).
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def model_flops_per_token(config: GPTConfig, seq_len: int) -> int:
+    r"""Training FLOPs per token: :math:`6N + 6 L T H d`.
+
+    :math:`N` counts the parameters of every matrix product (the layers' four
+    matrices and the output layer; not the embedding lookup or the norms), at
+    2 FLOPs per multiply-add and 3 products (forward, two backward) each. The
+    second term is causal attention: :math:`QK^\top` and :math:`AV` cost
+    :math:`2 \cdot 2 T H d` per token and layer without the mask, half with
+    it, times 3. Recomputation (remat) is not counted (model FLOPs, not hardware FLOPs).
+    """
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    per_layer = (heads + 2 * groups) * d * h + h * heads * d + 2 * f * h + h * f
+    matmul_params = config.num_layers * per_layer + config.vocab_size * h
+    return 6 * matmul_params + 6 * config.num_layers * seq_len * heads * d
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBenchConfig:
+    """What :func:`run_train_bench` measures.
+
+    Attributes:
+      workload: A key of :data:`lwjax.tools.bench.WORKLOADS`.
+      layers: Transformer layers (``None``: the workload's default).
+      dp_sizes: Data-parallel sizes to run (each ≤ the device count).
+      seq_len: Tokens per sequence (``None``: :data:`TRAIN_DEFAULTS`).
+      micro_batch: Sequences per device per step (``None``: :data:`TRAIN_DEFAULTS`);
+        the global batch is ``micro_batch * dp``.
+      remat: Recompute each layer's activations in the backward pass.
+      iters: Timed steps per measurement (median reported).
+      warmup: Untimed steps first (:data:`lwjax.tools.bench.WARMUP_STEPS`).
+      param_dtype: Parameter and activation dtype (the replicated optax
+        contender keeps fp32 parameters and casts them in the forward).
+      grad_reduce_in_fp32: lwjax reduces gradients in fp32, else in ``param_dtype``.
+      ns_precision: Newton–Schulz precision (``"medium"`` = bf16, Megatron's default).
+      policy: lwjax layout policy.
+      bucket_size: lwjax bucket size in elements, ``None`` or ``"auto"``.
+      learning_rate: Learning rate of every contender (Muon and Adam alike, as in
+        :mod:`lwjax.tools.bench`).
+      weight_decay: Decoupled weight decay on matrices (not on norms).
+      clip_grad: Global gradient-norm clip of every contender; ``None`` or ``0`` disables.
+      pipeline_muon: lwjax Muon's ``OptimizerConfig.pipeline_muon``.
+      pgle: Compile every contender's step with JAX's profile-guided latency
+        estimates (:func:`lwjax.tools.bench.pgle`; the profiled calls are part of
+        the warm-up), as :class:`lwjax.tools.bench.BenchConfig` does for the
+        optimizer step.
+      baselines: Also time the replicated optax AdamW.
+      peak_flops: Peak FLOP/s of one device for MFU; ``None``: by device kind
+        (:data:`PEAK_BF16_FLOPS`), and no MFU for unknown kinds (CPU).
+      seed: Seed of the initial parameters and tokens.
+    """
+
+    workload: str = "small"
+    layers: int | None = None
+    dp_sizes: tuple[int, ...] = (1,)
+    seq_len: int | None = None
+    micro_batch: int | None = None
+    remat: bool = False
+    iters: int = 10
+    warmup: int = WARMUP_STEPS
+    param_dtype: str = "bfloat16"
+    grad_reduce_in_fp32: bool = True
+    ns_precision: str = "medium"
+    policy: str = DEFAULT_POLICY
+    bucket_size: int | str | None = "auto"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    clip_grad: float | None = 1.0
+    pipeline_muon: bool = False
+    pgle: bool = False
+    baselines: bool = True
+    peak_flops: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.workload not in WORKLOADS:
+            raise ValueError(
+                f"TrainBenchConfig.workload must be one of {tuple(WORKLOADS)}; "
+                f"got {self.workload!r}."
+            )
+        if not self.dp_sizes or min(self.dp_sizes) < 1:
+            raise ValueError(
+                f"TrainBenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}."
+            )
+        seq_len, micro_batch = TRAIN_DEFAULTS[self.workload]
+        object.__setattr__(self, "seq_len", self.seq_len if self.seq_len is not None else seq_len)
+        object.__setattr__(
+            self, "micro_batch", self.micro_batch if self.micro_batch is not None else micro_batch
+        )
+        for name, least in (("seq_len", 1), ("micro_batch", 1), ("iters", 1), ("warmup", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(
+                    f"TrainBenchConfig.{name} must be >= {least}; got {getattr(self, name)!r}."
+                )
+
+    def model(self) -> GPTConfig:
+        """The benchmarked model."""
+        return workload_config(self.workload, self.layers)
+
+    def loss(self):
+        """``loss(params, tokens [B, T + 1])``: mean next-token cross-entropy in ``param_dtype``."""
+        config = self.model()
+
+        def loss(params, batch):
+            return gpt_loss(
+                params,
+                (batch[:, :-1], batch[:, 1:]),
+                config,
+                dtype=self.param_dtype,
+                remat=self.remat,
+            )
+
+        return loss
+
+
+def lwjax_optimizer(
+    params, mesh: Mesh, cfg: TrainBenchConfig, *, muon: bool = True
+) -> LayerwiseOptimizer:
+    """The optimizer of ``lwjax Muon`` (``muon=True``) or ``lwjax AdamW (ZeRO-1)``.
+
+    :func:`lwjax.tools.bench.workload_optimizer` with ``cfg``'s hyper-parameters.
+    """
+    return workload_optimizer(
+        params,
+        mesh,
+        cfg.model(),
+        muon=muon,
+        ns_precision=cfg.ns_precision,
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+        policy=cfg.policy,
+        bucket_size=cfg.bucket_size,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        clip_grad=cfg.clip_grad,
+        pipeline_muon=cfg.pipeline_muon,
+    )
+
+
+def lwjax_step(loss, optimizer: LayerwiseOptimizer):
+    """``step(params, state, batch) -> (params, state, loss, grad_norm)``.
+
+    Local gradients go into ``optimizer.update``.
+
+    ``update`` takes each device's gradient of its local mean loss and takes the
+    mean over dp itself (inside its reduce-scatter). ``params`` and ``state``
+    are donated; ``batch`` is split over dp on its leading axis.
+    """
+    axis = optimizer.axis
+
+    def local(params, state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        params, state, metrics = optimizer.update(grads, state, params)
+        return params, state, lax.pmean(value, axis), metrics["grad_norm"]
+
+    return jit_shard_map(
+        local,
+        optimizer.mesh,
+        (P(), optimizer.state_specs, P(axis)),
+        (P(), optimizer.state_specs, P(), P()),
+        donate_argnums=(0, 1),
+    )
+
+
+def _is_matrix(path, x) -> bool:
+    """A leaf whose (per-layer) parameters have 2+ dims: decayed, as lwjax decays them."""
+    stacked = 1 if jax.tree_util.keystr(path).startswith("['decoder']['layers']") else 0
+    return x.ndim - stacked >= 2
+
+
+def optax_adamw(cfg: TrainBenchConfig) -> optax.GradientTransformation:
+    r"""AdamW as lwjax applies it to elementwise parameters, clipped as optax clips.
+
+    (lwjax divides by :math:`\lVert g \rVert + 10^{-6}`, optax by :math:`\lVert g \rVert`.)
+
+    .. math::
+
+       g \leftarrow g \min\!\big(1, c / \lVert g \rVert\big), \qquad
+       p \leftarrow p - \eta\Big(\frac{\hat m}{\sqrt{\hat v} + \epsilon}
+                        + \lambda \mathbb{1}_{\text{matrix}}\, p\Big)
+
+    with :math:`c` = ``clip_grad`` (skipped when ``None``/0), :math:`\eta` =
+    ``learning_rate``, :math:`\lambda` = ``weight_decay``, Adam's
+    :math:`(\beta_1, \beta_2, \epsilon) = (0.9, 0.999, 10^{-8})`, and the
+    decay only on matrices (a stacked ``[L, h]`` norm is ``L`` vectors).
+    """
+    mask = lambda params: jax.tree_util.tree_map_with_path(_is_matrix, params)  # noqa: E731
+    adamw = optax.adamw(
+        cfg.learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=mask
+    )
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_grad), adamw) if cfg.clip_grad else adamw
+
+
+def optax_step(loss, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str = "dp"):
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    All-reduce, then ``tx`` on every device.
+
+    Parameters and optimizer state are replicated (``P()``) and donated.
+    """
+
+    def local(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        grads = lax.pmean(grads, axis)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(value, axis)
+
+    return jit_shard_map(local, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1))
+
+
+def forward_backward_step(loss, mesh: Mesh, *, axis: str = "dp"):
+    """``step(params, batch) -> (loss, sum of squared gradients)``: the compute floor."""
+
+    def local(params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        square = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        return lax.pmean(value, axis), lax.psum(square, axis)
+
+    return jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P()), check_vma=False
+        )
+    )
+
+
+def synthetic_batch(
+    mesh: Mesh, micro_batch: int, seq_len: int, vocab: int, seed: int = 0, *, axis: str = "dp"
+):
+    """Uniformly random tokens ``[dp * micro_batch, seq_len + 1]`` (int32), split over ``axis``."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (mesh.shape[axis] * micro_batch, seq_len + 1), dtype=np.int32)
+    return jax.device_put(tokens, NamedSharding(mesh, P(axis)))
+
+
+def _replicated(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def _compiled_bytes(compiled) -> int | None:
+    """Device memory of a compiled step: arguments + outputs − donated + temporaries."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
+def _peak_flops(cfg: TrainBenchConfig, device) -> float | None:
+    if cfg.peak_flops:
+        return cfg.peak_flops
+    return next((peak for kind, peak in PEAK_BF16_FLOPS if kind in device.device_kind), None)
+
+
+def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
+    """Build, compile and time one contender at one dp size; its params and state are freed."""
+    key, config, loss = jax.random.key(cfg.seed), cfg.model(), cfg.loss()
+    if name in (MUON, ADAMW_SHARDED):
+        params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
+        optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON)
+        step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
+    elif name == ADAMW_REPLICATED:
+        params = _replicated(init_params(config, key, "float32"), mesh)
+        tx = optax_adamw(cfg)
+        step, args = optax_step(loss, tx, mesh), (params, _replicated(tx.init(params), mesh))
+    else:
+        step, args = (
+            forward_backward_step(loss, mesh),
+            (_replicated(init_params(config, key, cfg.param_dtype), mesh),),
+        )
+    compiled = step.lower(*args, batch).compile()
+    record = dict(
+        compiled_bytes_per_device=_compiled_bytes(compiled),
+        attention="cudnn" if "cudnn$fmha" in compiled.as_text() else "xla",
+    )
+    # Under PGLE the step is called through jit, which profiles the first calls and recompiles; the
+    # executable compiled above only gives the memory figures then.
+    run = step if cfg.pgle else compiled
+    warmup = warmup_calls(cfg.warmup, cfg.pgle)
+    with pgle() if cfg.pgle else contextlib.nullcontext():
+        if name == FORWARD_BACKWARD:
+            seconds, (params, _) = time_steps(
+                lambda p, out: (p, run(p, batch)), (*args, None), cfg.iters, warmup
+            )
+            record["state_bytes_per_device"] = bytes_per_device(params)
+        else:
+            seconds, args = time_steps(lambda p, s: run(p, s, batch)[:2], args, cfg.iters, warmup)
+            record["state_bytes_per_device"] = bytes_per_device(args)
+            out = run(*args, batch)
+            record["loss"] = float(out[2])
+            if name in (
+                MUON,
+                ADAMW_SHARDED,
+            ):  # the norm the step clipped by: above clip_grad, clipping bound
+                record["grad_norm"] = float(out[3])
+    record["step_ms"] = seconds * 1e3
+    stats = mesh.devices.flat[0].memory_stats()  # None on CPU
+    record["peak_bytes_so_far"] = stats.get("peak_bytes_in_use") if stats else None
+    return record
+
+
+def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
+    """Time a full training step: lwjax Muon, lwjax AdamW, optax AdamW, forward+backward alone.
+
+    Returns:
+      One record per (contender, dp): ``step_ms`` (median), ``tokens_per_s``
+      (global), ``mfu`` (model FLOPs utilisation over all dp devices, see
+      :func:`model_flops_per_token`; ``None`` without a known peak),
+      ``optimizer_ms`` (``step_ms`` minus forward+backward's),
+      ``compiled_bytes_per_device`` (XLA's estimate for the step),
+      ``peak_bytes_so_far`` (device 0's peak memory since the process
+      started, a running maximum over the records; ``None`` on CPU),
+      ``state_bytes_per_device`` (parameters plus optimizer state on one
+      device), ``loss`` of one more step after the timed ones,
+      ``attention`` (``"cudnn"`` where the compiled step calls cuDNN's fused
+      attention, else ``"xla"``), ``grad_norm`` of that step (lwjax contenders:
+      above ``clip_grad``, the clip bound, and a pipelined Muon step
+      recomputed its directions), and the settings (``warmup``: the untimed
+      calls each contender made first). The Muon
+      record adds ``muon_overhead_pct``: per other contender,
+      :math:`100\\,(t_\\text{Muon} / t - 1)`.
+    """
+    model = cfg.model()
+    devices = jax.devices()
+    numel = sum(math.prod(s) for s in model.param_shapes().values())
+    flops_per_token = model_flops_per_token(model, cfg.seq_len)
+    peak = _peak_flops(cfg, devices[0])
+    names = [MUON, ADAMW_SHARDED, *([ADAMW_REPLICATED] if cfg.baselines else []), FORWARD_BACKWARD]
+    records = []
+    for dp in cfg.dp_sizes:
+        if dp > len(devices):
+            raise ValueError(
+                f"TrainBenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices."
+            )
+        mesh = Mesh(np.array(devices[:dp]), ("dp",))
+        batch = synthetic_batch(mesh, cfg.micro_batch, cfg.seq_len, model.vocab_size, cfg.seed)
+        tokens = dp * cfg.micro_batch * cfg.seq_len
+        base = dict(
+            workload=cfg.workload,
+            layers=model.num_layers,
+            params=numel,
+            dp=dp,
+            seq_len=cfg.seq_len,
+            micro_batch=cfg.micro_batch,
+            global_batch=dp * cfg.micro_batch,
+            tokens_per_step=tokens,
+            remat=cfg.remat,
+            param_dtype=cfg.param_dtype,
+            model_flops_per_token=flops_per_token,
+            pipeline_muon=cfg.pipeline_muon,
+            pgle=cfg.pgle,
+            iters=cfg.iters,
+            warmup=warmup_calls(cfg.warmup, cfg.pgle),
+            device=devices[0].device_kind,
+            jax=jax.__version__,
+        )
+        rows = {}
+        for name in names:
+            r = _run_contender(name, cfg, mesh, batch)
+            seconds = r["step_ms"] / 1e3
+            r["tokens_per_s"] = tokens / seconds
+            r["mfu"] = tokens * flops_per_token / (seconds * dp * peak) if peak else None
+            rows[name] = dict(base, contender=name, **r)
+        floor_ms = rows[FORWARD_BACKWARD]["step_ms"]
+        for name in names[:-1]:
+            rows[name]["optimizer_ms"] = rows[name]["step_ms"] - floor_ms
+        muon_ms = rows[MUON]["step_ms"]
+        rows[MUON]["muon_overhead_pct"] = {
+            n: 100 * (muon_ms / rows[n]["step_ms"] - 1) for n in names[1:-1]
+        }
+        records += rows.values()
+    return records
