@@ -209,7 +209,7 @@ def update_and_gather(
     steps = plan.schedule.steps
     for t, step in enumerate(steps):
         i, k = step.buffer, step.bucket
-        due = [(s.buffer, s.bucket) for s in map(steps.__getitem__, plan.schedule.lands_before(t))]
+        due = [(steps[j].buffer, steps[j].bucket) for j in plan.schedule.lands_before(t)]
         own = (directions or {}).get((i, k))
         # The bucket waits for the previous update; the gathers due by now land first.
         inputs = (masters[i][k], moments[i][k], grad_shards[i][k], own)
