@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from lwjax.step import LayerwiseState as LayerwiseState
     from lwjax.train import jit_shard_map as jit_shard_map
     from lwjax.train import make_train_step as make_train_step
+    from lwjax.train import value_and_grad as value_and_grad
 
 try:
     __version__ = _version("lwjax")
@@ -52,6 +53,7 @@ _LAZY = {
     "LayerwiseState": "lwjax.step",
     "jit_shard_map": "lwjax.train",
     "make_train_step": "lwjax.train",
+    "value_and_grad": "lwjax.train",
 }
 
 __all__ = (

@@ -5,7 +5,8 @@ elements in Megatron's order, shard ``r`` at ``[r S_b, (r + 1) S_b)``
 (:mod:`lwjax.plan`). So a bucket array sharded evenly over the dp axis puts
 exactly rank ``r``'s shard on device ``r``, one tiled ``psum_scatter`` per
 bucket delivers each rank its reduced shard, and one tiled ``all_gather`` per
-bucket rebuilds it. Padding is zero and stays zero.
+bucket rebuilds it. Padding is zero and stays zero. A leaf whose matrix axes are not in stored order
+(:attr:`lwjax.routing.LeafRoute.axes_order`) is packed transposed to that order.
 
 :func:`pack` and :func:`unpack` are inverses made of static slices, row gathers,
 reshapes and a concatenation (or in-place writes) per bucket, so they trace once
@@ -21,9 +22,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lwjax.plan import ParamPlan, Segment
+from lwjax.routing import path_name
 
 # How :func:`pack` builds a bucket: one concatenate of its pieces (gaps, and runs of
 # one stacked leaf's rows) when it has at most this many, else piece by piece into
@@ -46,9 +49,21 @@ def check_tree(plan: ParamPlan, tree, what: str, *, local: bool = True) -> list:
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
     if treedef != plan.treedef:
+        names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        first = next(
+            (i for i, (r, n) in enumerate(zip(plan.routes, names)) if r.path != n),
+            min(len(names), len(plan.routes)),
+        )
+        expected = plan.routes[first].path if first < len(plan.routes) else "no more leaves"
+        got = names[first] if first < len(names) else "no more leaves"
         raise ValueError(
-            f"{what}: the tree does not match the parameters; "
-            f"expected {plan.treedef}, got {treedef}."
+            f"{what}: the tree does not match the parameters: at leaf {first} expected "
+            f"{expected!r}, got {got!r}"
+            + (
+                " (same paths, different pytree node types)."
+                if first == len(names) == len(plan.routes)
+                else "."
+            )
         )
     for route, leaf in zip(plan.routes, leaves):
         if leaf is None:
@@ -78,7 +93,12 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[Buckets
       order, zero in padding), or ``None`` for skipped buffers.
     """
     dtypes = [b.key.param_dtype for b in plan.buffers] if dtypes is None else dtypes
-    leaves = [None if x is None else jnp.ravel(x) for x in check_tree(plan, tree, "pack")]
+    leaves = [
+        None
+        if x is None
+        else jnp.ravel(x if r.axes_order is None else jnp.transpose(x, r.axes_order))
+        for x, r in zip(check_tree(plan, tree, "pack"), plan.routes)
+    ]
     out = []
     for buffer, dtype in zip(plan.buffers, dtypes):
         if dtype is None:
@@ -161,11 +181,10 @@ def unpack(plan: ParamPlan, buffers: Sequence[Buckets | None], dtypes: Sequence 
             leaves.append(None)
             continue
         dtype = dtypes[i] if dtypes is not None else route.dtype
-        leaves.append(
-            _read_leaf(
-                sorted(segments[i], key=lambda p: p[0].leaf_offset), route.local_shape
-            ).astype(dtype)
-        )
+        leaf = _read_leaf(sorted(segments[i], key=lambda p: p[0].leaf_offset), route.local_view)
+        if route.axes_order is not None:
+            leaf = jnp.transpose(leaf, np.argsort(route.axes_order))
+        leaves.append(leaf.astype(dtype))
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 

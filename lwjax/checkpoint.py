@@ -175,6 +175,7 @@ def save_logical(
     metadata: Mapping[str, Any] | None = None,
     async_save: bool = False,
     overwrite: bool = False,
+    matrix_convention: str = "in_out",
 ) -> AsyncSave | None:
     """Save parameters and a :class:`LogicalState` (see :func:`save`, which calls this).
 
@@ -188,6 +189,9 @@ def save_logical(
       metadata: JSON-serialisable extra record (e.g. where a conversion came from).
       async_save: Return while orbax writes in the background.
       overwrite: Replace an existing checkpoint at ``path``.
+      matrix_convention: How the saved 2-D parameters are stored (``"in_out"``
+        or ``"out_in"``, :class:`~lwjax.optimizer.OptimizerConfig`); a restore
+        into an optimizer of the other convention is refused.
 
     Returns:
       An :class:`AsyncSave` when ``async_save``, else ``None`` once committed.
@@ -201,6 +205,7 @@ def save_logical(
         "lwjax_version": _version("lwjax"),
         "jax_version": jax.__version__,
         "step": int(step if step is not None else np.asarray(jax.device_get(logical.count))),
+        "matrix_convention": matrix_convention,
         "routes": [_route_record(r) for r in routes],
         "arrays": {
             name: {"shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).name, "fingerprint": fp}
@@ -268,6 +273,7 @@ def save(
         metadata=metadata,
         async_save=async_save,
         overwrite=overwrite,
+        matrix_convention=optimizer.plan.config.matrix_convention,
     )
 
 
@@ -360,10 +366,19 @@ def _describe(entry) -> str:
 
 
 def _mismatches(
-    record: Mapping, target: Mapping[str, jax.ShapeDtypeStruct], routes: Sequence[LeafRoute]
+    record: Mapping,
+    target: Mapping[str, jax.ShapeDtypeStruct],
+    routes: Sequence[LeafRoute],
+    convention: str,
 ) -> list[str]:
     saved = record["arrays"]
     problems = []
+    saved_convention = record.get("matrix_convention")  # unrecorded (so unchecked) before 0.3
+    if saved_convention is not None and saved_convention != convention:
+        problems.append(
+            f"matrix_convention: the checkpoint's matrices are {saved_convention!r}, the target "
+            f"optimizer's {convention!r} (Muon's scale and QKV split would read the wrong axis)"
+        )
     saved_routes = {r["path"]: r for r in record.get("routes", [])}
     for route in routes:
         old = saved_routes.get(route.path)
@@ -447,7 +462,9 @@ def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any,
     record = read_record(path)
     tree = _target(optimizer, params_like)
     target, treedef = _named(tree)
-    problems = _mismatches(record, target, optimizer.plan.routes)
+    problems = _mismatches(
+        record, target, optimizer.plan.routes, optimizer.plan.config.matrix_convention
+    )
     if problems:
         raise ValueError(
             f"{path}: the checkpoint does not match the target optimizer:\n  "

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lwjax.newton_schulz import (
+    COEFFICIENT_ALIASES,
     COEFFICIENT_TYPES,
     PRECISIONS,
     CoefficientType,
@@ -249,7 +250,9 @@ class MuonConfig:
     Attributes:
       momentum: EMA coefficient :math:`\beta` of the momentum buffer, in [0, 1).
       nesterov: Whether to orthogonalise the Nesterov look-ahead instead of the buffer.
-      coefficient_type: Newton–Schulz table, one of ``COEFFICIENT_TYPES``.
+      coefficient_type: Newton–Schulz table, one of ``COEFFICIENT_TYPES``;
+        optax's preset names ``"standard"`` (= ``"simple"``) and ``"dion"``
+        (= ``"quintic"``) are accepted and stored as lwjax's.
       num_ns_steps: Newton–Schulz iterations, at least 1.
       scale_mode: Update scale, one of ``SCALE_MODES``.
       extra_scale_factor: Extra multiplier on the orthogonalised update.
@@ -288,6 +291,8 @@ class MuonConfig:
                 "MuonConfig.extra_scale_factor must be finite; "
                 f"got extra_scale_factor={self.extra_scale_factor!r}."
             )
+        canonical = COEFFICIENT_ALIASES.get(self.coefficient_type, self.coefficient_type)
+        object.__setattr__(self, "coefficient_type", canonical)
         _check_choice("MuonConfig.coefficient_type", self.coefficient_type, COEFFICIENT_TYPES)
         _check_choice("MuonConfig.scale_mode", self.scale_mode, SCALE_MODES)
         _check_choice("MuonConfig.fp32_matmul_prec", self.fp32_matmul_prec, PRECISIONS)

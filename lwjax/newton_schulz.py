@@ -73,6 +73,9 @@ _ITERATION_MODES = types.MappingProxyType(
     }
 )
 COEFFICIENT_TYPES: tuple[str, ...] = tuple(COEFFICIENT_SETS)
+# optax.contrib.muon's preset names for the same tables: its default "standard" is Keller
+# Jordan's single triple, "dion" the five-step table emerging_optimizers calls "quintic".
+COEFFICIENT_ALIASES = types.MappingProxyType({"standard": "simple", "dion": "quintic"})
 # Megatron's --muon-fp32-matmul-prec values (torch.set_float32_matmul_precision).
 PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
 
@@ -241,7 +244,8 @@ def newton_schulz(
 
     Args:
       x: Array ``[..., m, n]`` of a floating dtype (narrower than fp32 is computed in fp32).
-      coefficient_type: One of ``COEFFICIENT_TYPES``.
+      coefficient_type: One of ``COEFFICIENT_TYPES``, or an optax name in
+        ``COEFFICIENT_ALIASES``.
       num_ns_steps: Number of iterations, at least 1.
       eps: Floor on the Frobenius norm used for normalisation.
       precision: One of ``PRECISIONS``. ``"highest"``: full fp32 (or wider) matmuls.
@@ -268,6 +272,7 @@ def newton_schulz(
       <https://kellerjordan.github.io/posts/muon/>`_, 2024
     """
     _check_matrix("newton_schulz", "x", x)
+    coefficient_type = COEFFICIENT_ALIASES.get(coefficient_type, coefficient_type)
     _check_choice("newton_schulz: coefficient_type", coefficient_type, COEFFICIENT_TYPES)
     _check_num_ns_steps("newton_schulz: num_ns_steps", num_ns_steps)
     _check_choice("newton_schulz: precision", precision, PRECISIONS)

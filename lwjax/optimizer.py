@@ -4,33 +4,41 @@
 (:mod:`lwjax.routing`), lays them out over the data-parallel ranks
 (:mod:`lwjax.policies`), turns the layout into per-rank tables
 (:mod:`lwjax.plan`) and orders the bucket updates (:mod:`lwjax.schedule`). The
-result, a frozen :class:`~lwjax.plan.StepPlan`, is closed over by two pure
-functions: ``init`` builds the sharded state and ``update`` is the step of
-:mod:`lwjax.step` (or :mod:`lwjax.pipelined`), called inside ``shard_map``.
+result, a frozen :class:`~lwjax.plan.StepPlan`, is closed over by pure
+functions: ``init`` builds the sharded state, ``local_update`` is the step of
+:mod:`lwjax.step` (or :mod:`lwjax.pipelined`), called inside ``shard_map``,
+and ``init``/``update`` are also optax's, on global arrays (:mod:`lwjax.transform`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax import pipelined
+from lwjax import pipelined, transform
 from lwjax import step as step_lib
-from lwjax.buffers import check_tree, pack
 from lwjax.layout import LayoutConfig
 from lwjax.muon import MuonConfig
 from lwjax.plan import MeshAxes, ParamPlan, StepPlan, make_plan
 from lwjax.policies import compute_full_param_layout
-from lwjax.routing import LeafRoute, RoutingRules, param_specs, route_leaves
+from lwjax.routing import (
+    LeafRoute,
+    RoutingRules,
+    format_routing_table,
+    is_array_like,
+    param_specs,
+    path_name,
+    route_leaves,
+)
 from lwjax.schedule import schedule_buckets
 from lwjax.shards import PARAM_SYNCS
 from lwjax.step import LayerwiseState
@@ -97,19 +105,32 @@ class OptimizerConfig:
             )
 
 
-class LayerwiseOptimizer(NamedTuple):
-    """A layer-wise distributed Muon optimizer: the static plan plus pure functions.
+class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
+    """A layer-wise distributed Muon optimizer: an optax transformation plus its static plan.
+
+    ``init`` and ``update`` are optax's and take global arrays under
+    ``jax.jit``: ``init(params) -> state`` and ``update(grads, state, params)
+    -> (updates, state)``, so ``optax.apply_updates``, ``optax.chain`` and
+    ``flax.nnx.Optimizer`` work unchanged. Inside, ``update`` runs
+    :attr:`local_update` in ``shard_map`` on the gradients as they arrive
+    (already reduced over the batch by the caller's ``jax.grad``; see
+    ``docs/optax.md``). :func:`lwjax.make_train_step` instead computes the
+    gradients per device and reduce-scatters them.
 
     Attributes:
+      init: ``params -> LayerwiseState`` (jitted; state sharded over the
+        data-parallel axes). ``params`` may be any pytree whose array leaves
+        have the paths, shapes and dtypes the optimizer was built for.
+      update: ``(grads, state, params) -> (updates, state)`` on global arrays.
+        For parameters narrower than fp32 the updates are fp32, so that
+        ``optax.apply_updates`` returns exactly the gathered ``bf16(master)``.
       plan: The :class:`~lwjax.plan.StepPlan`: routes, layout, per-rank
         tables, bucket schedule and options.
       mesh: The device mesh.
       axis: Name of the data-parallel mesh axis.
-      init: ``params -> LayerwiseState`` (jitted; state sharded over the
-        data-parallel axes).
-      update: ``(grads, state, params) -> (params, state, metrics)``; call it
-        inside ``shard_map`` over :attr:`data_axes` with this device's local
-        gradients and parameters (expert leaves local, see ``param_specs``).
+      local_update: ``(grads, state, params) -> (params, state, metrics)``;
+        call it inside ``shard_map`` over :attr:`data_axes` with this device's
+        local gradients and parameters (expert leaves local, see ``param_specs``).
       state_specs: ``PartitionSpec`` pytree of the state, for ``shard_map``.
       expert_axis: Name of the expert-parallel mesh axis, or ``None``.
       param_specs: ``PartitionSpec`` pytree (prefix) of the parameters:
@@ -120,11 +141,43 @@ class LayerwiseOptimizer(NamedTuple):
     plan: StepPlan
     mesh: Mesh
     axis: str
-    init: Callable
-    update: Callable
+    local_update: Callable
     state_specs: LayerwiseState
-    expert_axis: str | None = None
-    param_specs: Any = None
+    expert_axis: str | None
+    param_specs: Any
+
+    def __new__(
+        cls,
+        init: Callable,
+        update: Callable,
+        *,
+        plan: StepPlan,
+        mesh: Mesh,
+        axis: str,
+        local_update: Callable,
+        state_specs: LayerwiseState,
+        expert_axis: str | None = None,
+        param_specs: Any = None,
+    ):
+        self = super().__new__(cls, init, update)
+        self.plan, self.mesh, self.axis = plan, mesh, axis
+        self.local_update, self.state_specs = local_update, state_specs
+        self.expert_axis, self.param_specs = expert_axis, param_specs
+        return self
+
+    def _replace(self, **changes) -> LayerwiseOptimizer:
+        """A copy with fields or attributes replaced, like ``NamedTuple._replace``."""
+        unknown = set(changes) - set(self._fields) - set(vars(self))
+        if unknown:
+            raise ValueError(
+                f"LayerwiseOptimizer._replace: no field or attribute {sorted(unknown)}."
+            )
+        values = {**dict(zip(self._fields, self)), **vars(self), **changes}
+        return type(self)(**values)
+
+    def routing_table(self) -> str:
+        """Per leaf: path, shape, matrix view, Muon or AdamW, and why (aligned text)."""
+        return format_routing_table(self.plan.routes)
 
     @property
     def mesh_axes(self) -> MeshAxes:
@@ -217,7 +270,14 @@ def layerwise_muon(
     """
     axes = _mesh_axes(mesh, axis, expert_axis)
     plan = plan_step(
-        plan_params(params, axes, layout, routing, grad_reduce_in_fp32=config.grad_reduce_in_fp32),
+        plan_params(
+            params,
+            axes,
+            layout,
+            routing,
+            grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+            matrix_convention=config.matrix_convention,
+        ),
         config,
         muon,
         elementwise,
@@ -225,30 +285,19 @@ def layerwise_muon(
         adam_learning_rate,
     )
     param_specs = P()  # a prefix of the parameters: replicated, unless expert leaves are split
+    leaf_specs = [P() if expert_axis is None else _param_spec(r, expert_axis) for r in plan.routes]
     if expert_axis is not None and plan.has_experts:
-        param_specs = jax.tree_util.tree_unflatten(
-            plan.treedef, [_param_spec(r, expert_axis) for r in plan.routes]
-        )
+        param_specs = jax.tree_util.tree_unflatten(plan.treedef, leaf_specs)
     state_specs = _state_specs(plan)
-
-    @jax.jit
-    def init(params):
-        check_tree(plan, params, "init(params)", local=False)
-        return jax.shard_map(
-            functools.partial(_local_init, plan),
-            mesh=mesh,
-            in_specs=(param_specs,),
-            out_specs=state_specs,
-            check_vma=False,
-        )(params)
-
-    update = pipelined.update_pipelined if config.pipeline_muon else step_lib.update
+    local_update = pipelined.update_pipelined if config.pipeline_muon else step_lib.update
+    init, update = transform.optax_functions(plan, mesh, leaf_specs, state_specs, local_update)
     return LayerwiseOptimizer(
+        init,
+        update,
         plan=plan,
         mesh=mesh,
         axis=axis,
-        init=init,
-        update=functools.partial(update, plan),
+        local_update=functools.partial(local_update, plan),
         state_specs=state_specs,
         expert_axis=expert_axis,
         param_specs=param_specs,
@@ -256,18 +305,55 @@ def layerwise_muon(
 
 
 def route_params(
-    params, rules: RoutingRules = RoutingRules(), *, expert_parallel: int = 1
+    params,
+    rules: RoutingRules = RoutingRules(),
+    *,
+    expert_parallel: int = 1,
+    matrix_convention: MatrixConvention = "in_out",
 ) -> tuple[LeafRoute, ...]:
-    """:func:`lwjax.routing.route_leaves` of a pytree's leaves, in flatten order.
+    """:func:`lwjax.routing.route_leaves` of a pytree's array leaves, in flatten order.
 
-    Leaves may be arrays or ``jax.ShapeDtypeStruct``; only paths, shapes and dtypes are read.
+    Leaves may be arrays or ``jax.ShapeDtypeStruct``; only paths, shapes and
+    dtypes are read, and flax logical axis names where the tree carries them
+    (boxed linen params from ``nn.with_logical_partitioning``, nnx variables
+    from ``nnx.with_partitioning``). ``None`` leaves are not parameters; other
+    leaves without a shape and dtype (Python numbers, strings, functions in
+    an equinox module) are skipped with a warning naming their paths.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return route_leaves(
-        [(path, tuple(leaf.shape), leaf.dtype) for path, leaf in flat],
-        rules,
-        expert_parallel=expert_parallel,
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: axis_names(x) is not None
     )
+    records, skipped = [], []
+    for path, leaf in flat:
+        names = axis_names(leaf)
+        value = getattr(leaf, "value", leaf) if names is not None else leaf
+        if is_array_like(value):
+            records.append((path, tuple(value.shape), value.dtype, names))
+        else:
+            skipped.append(path_name(path))
+    if skipped:
+        warnings.warn(
+            f"layerwise_muon: {len(skipped)} leaves are not arrays and are not optimized: "
+            f"{', '.join(skipped[:8])}{', ...' if len(skipped) > 8 else ''}. Filter them out "
+            "(e.g. eqx.partition(model, eqx.is_inexact_array)) to silence this.",
+            stacklevel=3,
+        )
+    return route_leaves(
+        records, rules, expert_parallel=expert_parallel, matrix_convention=matrix_convention
+    )
+
+
+def axis_names(leaf) -> tuple[str | None, ...] | None:
+    """The flax logical axis names a boxed parameter carries, or ``None``.
+
+    Reads ``names`` (linen ``nn.Partitioned`` / ``nn.LogicallyPartitioned``)
+    or the ``out_sharding`` metadata of an nnx variable.
+    """
+    for attribute in ("names", "out_sharding"):
+        names = getattr(leaf, attribute, None)
+        if isinstance(names, (tuple, list)) and hasattr(leaf, "value"):
+            return tuple(names)
+    return None
 
 
 def plan_params(
@@ -277,6 +363,7 @@ def plan_params(
     routing: RoutingRules = RoutingRules(),
     *,
     grad_reduce_in_fp32: bool = True,
+    matrix_convention: MatrixConvention = "in_out",
 ) -> ParamPlan:
     """Route a parameter pytree, lay it out over ``axes`` and build its per-rank tables.
 
@@ -284,7 +371,9 @@ def plan_params(
     devices, expert buffers over ``axes.dp_size`` (expert leaves from their
     local shapes, ``E / ep`` experts each).
     """
-    routes = route_params(params, routing, expert_parallel=axes.ep_size)
+    routes = route_params(
+        params, routing, expert_parallel=axes.ep_size, matrix_convention=matrix_convention
+    )
     full = compute_full_param_layout(
         param_specs(routes),
         axes.num_data,
@@ -292,7 +381,8 @@ def plan_params(
         expert_dp=axes.dp_size,
         grad_reduce_in_fp32=grad_reduce_in_fp32,
     )
-    return make_plan(jax.tree_util.tree_structure(params), routes, full, axes)
+    arrays = jax.tree.map(lambda x: x if is_array_like(x) else None, params)
+    return make_plan(jax.tree_util.tree_structure(arrays), routes, full, axes)
 
 
 def plan_step(
@@ -358,27 +448,6 @@ def _param_spec(route: LeafRoute, expert_axis: str) -> P:
     if route.expert_dim is None:
         return P()
     return P(*([None] * route.expert_dim), expert_axis)
-
-
-def _local_init(plan: StepPlan, params) -> LayerwiseState:
-    """This device's state: its shard of the packed masters, zero momenta, the elementwise state."""
-    packed = pack(plan, params, dtypes=[plan.master_dtype] * len(plan.buffers))
-    masters = tuple(
-        tuple(
-            lax.dynamic_slice(flat, (lax.axis_index(plan.axes.of(b.key)) * size,), (size,))
-            for flat, size in zip(buckets, b.shard_sizes)
-        )
-        for b, buckets in zip(plan.buffers, packed)
-    )
-    momenta = tuple(
-        tuple(jnp.zeros_like(m) for m in ms) if b.key.is_layer_wise else None
-        for b, ms in zip(plan.buffers, masters)
-    )
-    states = tuple(
-        None if b.key.is_layer_wise else tuple(plan.elementwise.init(m) for m in ms)
-        for b, ms in zip(plan.buffers, masters)
-    )
-    return LayerwiseState(jnp.zeros([], jnp.int32), masters, momenta, states)
 
 
 def _state_specs(plan: StepPlan) -> LayerwiseState:

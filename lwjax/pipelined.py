@@ -33,7 +33,9 @@ from lwjax.step import (
 )
 
 
-def update_pipelined(plan: StepPlan, grads, state: LayerwiseState, params):
+def update_pipelined(
+    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False
+):
     """:func:`lwjax.step.update` with each Muon bucket's directions computed as its shard arrives.
 
     Same arguments and results; with clipping, ``metrics["recomputed"]`` says
@@ -46,7 +48,7 @@ def update_pipelined(plan: StepPlan, grads, state: LayerwiseState, params):
     order = [
         (s.buffer, s.bucket) for s in sorted(plan.schedule.steps, key=lambda s: not s.layer_wise)
     ]
-    grad_shards = reduce_scatter(plan, grads, order)
+    grad_shards = reduce_scatter(plan, grads, order, reduced=reduced)
     directions = speculate(plan, state, grad_shards, ranks)
     # 3. Norms, clip coefficients and the zero count.
     stats = grad_statistics(plan, grad_shards, ranks)

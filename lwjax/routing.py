@@ -6,13 +6,20 @@ flax nnx ``State``, flax linen ``params``). Names come from the key path,
 joined with ``/``; a trailing ``value`` attribute (flax nnx variables) is
 dropped, so an nnx kernel reads ``blocks/0/mlp/up/kernel``.
 
-Default rule (Megatron's): a parameter is a Muon matrix iff it is 2-D and not
-an embedding or output projection (names matching :data:`EMBEDDING_OR_OUTPUT`).
-Everything else (biases, norms, scalars, embeddings, the head) goes to AdamW.
+Default rule (Megatron's, extended to any rank): a parameter is a Muon matrix
+iff its matrix view (:mod:`lwjax.dims`) is 2-D and it is not an embedding or
+output head (:func:`lwjax.dims.head_or_embedding_reason`), a bias or a norm
+scale. Everything else goes to AdamW. Each route says why
+(:attr:`LeafRoute.why`; :func:`routing_table` lists them), and
+:func:`route_leaves` warns where a default guess is likely wrong.
 
-A leaf may *stack* independent parameters along leading axes: a scan-over-layers
-kernel ``[L, m, n]`` declared with ``stacked={"blocks/*": 1}`` is ``L``
-matrices, named ``"<path>[i]"``, each owned and orthogonalised on its own.
+A leaf may *stack* independent parameters: a scan-over-layers kernel
+``[L, m, n]`` declared with ``stacked={"blocks/*": 1}`` (or found by
+:func:`lwjax.dims.detect_stacks`, or named ``layers`` in flax metadata) is
+``L`` matrices, named ``"<path>[i]"``, each owned and orthogonalised on its
+own. ``dims=`` puts the batch, input and output axes anywhere
+(:class:`lwjax.dims.MatrixDims`); the optimizer then reads the leaf transposed
+to ``(batch..., rows, columns)`` (:attr:`LeafRoute.axes_order`).
 
 Expert leaves (``expert=...``) stack one parameter per expert: ``[E, m, n]``,
 or ``[L, E, m, n]`` with ``stacked=2``. Their *expert axis* (by default the last
@@ -36,18 +43,16 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from lwjax import dims as dims_lib
+from lwjax.dims import MatrixDims
 from lwjax.layout import FrozenDict, ParamSpec
 
 T = TypeVar("T")
 Rule = Mapping[str, T] | Callable[[str, tuple[int, ...]], T | None] | None
-
-EMBEDDING_OR_OUTPUT = re.compile(
-    r"(^|[/.])([^/.]*embed[^/.]*|wte|wpe|lm_head|head|output_layer)([/.]|$)"
-)
 
 
 def path_name(key_path: Iterable[Any]) -> str:
@@ -73,13 +78,19 @@ def path_name(key_path: Iterable[Any]) -> str:
     return "/".join(parts)
 
 
+def is_array_like(leaf: Any) -> bool:
+    """Whether a pytree leaf is an array or an abstract one (it has a ``shape`` and ``dtype``)."""
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
 def is_embedding_or_output(name: str) -> bool:
     """Whether a parameter name looks like an embedding table or output projection.
 
     Name components are split at ``/`` (pytree paths) and ``.`` (torch/Megatron
-    names), so ``output_layer.weight`` and ``embed/embedding`` both match.
+    names), so ``output_layer.weight`` and ``embed/embedding`` both match
+    (:func:`lwjax.dims.head_or_embedding_reason` lists the names).
     """
-    return EMBEDDING_OR_OUTPUT.search(name.lower()) is not None
+    return dims_lib.head_or_embedding_reason(name) is not None
 
 
 def _apply_rule(rule: Rule, name: str, shape: tuple[int, ...]):
@@ -105,9 +116,12 @@ class RoutingRules:
     mapping or a callable ``rule(name, shape) -> value or None``.
 
     Attributes:
-      is_muon: Overrides the default Muon rule (2-D and not embedding/output);
-        a callable gets the shape after the stacked axes.
-      stacked: Number of leading stack axes per leaf (default 0; 1 for expert leaves).
+      is_muon: Overrides the default Muon rule (2-D view, not embedding, head,
+        bias or scale); a callable gets the view's shape after the batch axes.
+      stacked: Number of leading stack axes per leaf (default 0; 1 for expert
+        leaves; found for scanned modules by :func:`lwjax.dims.detect_stacks`).
+      dims: The leaf's batch, input and output axes at any position, a
+        :class:`~lwjax.dims.MatrixDims`; overrides ``stacked`` and axis names.
       tied: Tied embeddings (isolated bucket, never Muon); also a pattern or a
         sequence of patterns.
       expert: Expert-parallel leaves; also patterns. ``True`` puts the expert
@@ -119,6 +133,9 @@ class RoutingRules:
       wd_mult: Weight-decay multiplier (default 1).
       grad_norm_group: Name of a separate gradient-norm group (e.g. ``"mtp"``):
         its parameters leave the main norm and are clipped by their own.
+      model_dim: The model width that splits 3+-axis leaves into input and
+        output axes (:func:`lwjax.dims.dims_from_model_dim`); default: the
+        embedding table's width.
 
     Raises:
       TypeError: A rule that is neither ``None``, a mapping nor a callable.
@@ -132,9 +149,19 @@ class RoutingRules:
     lr_mult: Rule[float] = None
     wd_mult: Rule[float] = None
     grad_norm_group: Rule[str] = None
+    dims: Rule[MatrixDims] = None
+    model_dim: int | None = None
 
     def __post_init__(self):
+        if self.model_dim is not None and (
+            isinstance(self.model_dim, bool) or not isinstance(self.model_dim, int)
+        ):
+            raise TypeError(
+                f"RoutingRules.model_dim must be an int or None; got {self.model_dim!r}."
+            )
         for field in dataclasses.fields(self):
+            if field.name == "model_dim":
+                continue
             rule = getattr(self, field.name)
             if field.name in _FLAG_RULES and isinstance(rule, str):
                 rule = {rule: True}
@@ -182,6 +209,12 @@ class LeafRoute:
       wd_mult: Weight-decay multiplier (Megatron's ``wd_mult``).
       grad_norm_group: Name of a separate gradient-norm group, or ``None`` for
         the main norm.
+      axes_order: The leaf's axes in the order the optimizer reads them
+        (batch axes, matrix rows, matrix columns), or ``None`` when that is
+        the stored order.
+      view: The shape read in that order, the rows and columns of a Muon
+        matrix each merged into one axis; ``None`` when it is ``shape``.
+      why: Why the leaf routes as it does (shown by :func:`routing_table`).
     """
 
     path: str
@@ -197,6 +230,9 @@ class LeafRoute:
     lr_mult: float = 1.0
     wd_mult: float = 1.0
     grad_norm_group: str | None = None
+    axes_order: tuple[int, ...] | None = None
+    view: tuple[int, ...] | None = None
+    why: str = ""
 
     def __post_init__(self):
         if self.is_expert and self.expert_dim is None and self.stack_dims:
@@ -204,8 +240,14 @@ class LeafRoute:
 
     @property
     def param_shape(self) -> tuple[int, ...]:
-        """Shape of each stacked parameter."""
-        return self.shape[self.stack_dims :]
+        """Shape of each stacked parameter (in the view's order)."""
+        return (self.view or self.shape)[self.stack_dims :]
+
+    @property
+    def local_view(self) -> tuple[int, ...]:
+        """The local leaf transposed to :attr:`axes_order` (its flat order in the buffers)."""
+        shape = self.local_shape
+        return shape if self.axes_order is None else tuple(shape[a] for a in self.axes_order)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -219,7 +261,7 @@ class LeafRoute:
     @property
     def num_params(self) -> int:
         """How many parameters the leaf stacks on one device."""
-        return math.prod(self.local_shape[: self.stack_dims])
+        return math.prod(self.local_view[: self.stack_dims])
 
     def param_names(self) -> tuple[str, ...]:
         """Names of the (device-local) stacked parameters, in row-major stack order."""
@@ -228,7 +270,7 @@ class LeafRoute:
         names = []
         for flat in range(self.num_params):
             index, rest = [], flat
-            for size in reversed(self.local_shape[: self.stack_dims]):
+            for size in reversed(self.local_view[: self.stack_dims]):
                 index.append(rest % size)
                 rest //= size
             names.append(f"{self.path}[{','.join(map(str, reversed(index)))}]")
@@ -250,27 +292,37 @@ class LeafRoute:
 
 
 def route_leaves(
-    leaves: Iterable[tuple[Any, Sequence[int], Any]],
+    leaves: Iterable[tuple[Any, ...]],
     rules: RoutingRules = RoutingRules(),
     *,
     expert_parallel: int = 1,
+    matrix_convention: str = "in_out",
 ) -> tuple[LeafRoute, ...]:
-    """Decide, per leaf, its name, stacking, optimizer and parameter-group options.
+    """Decide, per leaf, its name, matrix view, optimizer and parameter-group options.
+
+    Warns (one warning per kind, naming the leaves) where a guess is likely
+    wrong: a leaf of 3+ axes going to AdamW, and a bias, scale, embedding or
+    head going to Muon.
 
     Args:
-      leaves: ``(key_path, shape, dtype)`` per leaf in pytree flatten order;
-        ``key_path`` is a jax key path, a tuple of strings/ints, or a name.
+      leaves: ``(key_path, shape, dtype)`` or ``(key_path, shape, dtype,
+        axis_names)`` per leaf in pytree flatten order; ``key_path`` is a jax
+        key path, a tuple of strings/ints, or a name; ``axis_names`` are flax
+        logical axis names (``None`` when the leaf has none).
       rules: The :class:`RoutingRules` overriding the defaults.
       expert_parallel: Expert-parallel size; every expert axis must divide by it.
+      matrix_convention: ``"in_out"`` (rows are a matrix's inputs, as flax
+        stores kernels) or ``"out_in"`` (torch, Megatron); orders the view of
+        leaves whose axes are reordered and checks ``qkv_split``.
 
     Returns:
       One :class:`LeafRoute` per leaf, in input order.
 
     Raises:
-      ValueError: duplicate names, non-floating dtypes, a Muon parameter that
-        is not 2-D, a stack count out of range, an expert axis that is not
-        stacked or does not divide by ``expert_parallel``, or a bad multiplier
-        or group name.
+      ValueError: duplicate names, non-floating dtypes, a Muon parameter whose
+        view is not 2-D, a stack count out of range, an expert axis that is
+        not stacked or does not divide by ``expert_parallel``, a ``qkv_split``
+        that does not divide the output rows, or a bad multiplier or group name.
 
     Examples:
       >>> routes = route_leaves([("blocks/w", (4, 8, 8), "float32"), ("head", (8, 16), "float32")],
@@ -290,28 +342,55 @@ def route_leaves(
         raise ValueError(
             f"route_leaves: expert_parallel must be a positive integer; got {expert_parallel=}."
         )
-    routes, seen = [], set()
-    for key_path, shape, dtype in leaves:
+    if matrix_convention not in ("in_out", "out_in"):
+        raise ValueError(
+            "route_leaves: matrix_convention must be 'in_out' or 'out_in'; "
+            f"got {matrix_convention!r}."
+        )
+    records, seen = [], set()
+    for key_path, shape, dtype, *names in leaves:
         name = key_path if isinstance(key_path, str) else path_name(key_path)
         if name in seen:
             raise ValueError(f"{name}: two leaves share this name; leaf names must be unique.")
         seen.add(name)
-        routes.append(
-            _route_leaf(
-                name,
-                tuple(int(d) for d in shape),
-                str(getattr(dtype, "name", dtype)),
-                rules,
-                expert_parallel,
-            )
-        )
-    return tuple(routes)
+        axis_names = tuple(names[0]) if names and names[0] is not None else None
+        records.append((name, tuple(int(d) for d in shape), dtype, axis_names))
+    shapes = [(name, shape) for name, shape, _, _ in records]
+    context = _Context(
+        rules,
+        expert_parallel,
+        matrix_convention,
+        rules.model_dim if rules.model_dim is not None else dims_lib.infer_model_dim(shapes),
+        dims_lib.detect_stacks(shapes),
+    )
+    routes = tuple(
+        _route_leaf(name, shape, str(getattr(dtype, "name", dtype)), axis_names, context)
+        for name, shape, dtype, axis_names in records
+    )
+    _warn_doubtful(routes)
+    return routes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What routing one leaf needs from the whole tree."""
+
+    rules: RoutingRules
+    expert_parallel: int
+    matrix_convention: str
+    model_dim: int | None
+    stacks: Mapping[str, int]
 
 
 def _route_leaf(
-    name: str, shape: tuple[int, ...], dtype_name: str, rules: RoutingRules, expert_parallel: int
+    name: str,
+    shape: tuple[int, ...],
+    dtype_name: str,
+    axis_names: tuple[str | None, ...] | None,
+    context: _Context,
 ) -> LeafRoute:
-    """Apply ``rules`` (else the defaults) to one leaf."""
+    """Apply the rules (else the defaults) to one leaf."""
+    rules = context.rules
     if not (dtype_name.startswith("float") or dtype_name.startswith("bfloat")):
         raise ValueError(
             f"{name}: parameters must be floating point; got dtype={dtype_name}. "
@@ -319,33 +398,45 @@ def _route_leaf(
         )
     expert_value = _apply_rule(rules.expert, name, shape)
     is_expert = expert_value is not None and expert_value is not False
-    stack = _apply_rule(rules.stacked, name, shape)
-    stack = (1 if is_expert else 0) if stack is None else stack
-    if not 0 <= stack < max(len(shape), 1):
-        raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
-    param_shape = shape[stack:]
     is_tied = bool(_apply_rule(rules.tied, name, shape))
+    stack, view_dims, why, not_matrix = _view_dims(name, shape, axis_names, is_expert, context)
+    order = view = None
+    if view_dims is not None:
+        order, view = dims_lib.view_shape(shape, *view_dims, context.matrix_convention)
+    param_shape = (view or shape)[stack:]
     muon = _apply_rule(rules.is_muon, name, param_shape)
-    if muon is None:
-        muon = len(param_shape) == 2 and not is_tied and not is_embedding_or_output(name)
+    if muon is not None:
+        why = f"is_muon rule; {why}" if why else "is_muon rule"
+    else:
+        not_muon = (
+            ("tied embedding" if is_tied else None)
+            or not_matrix
+            or dims_lib.head_or_embedding_reason(name)
+            or ("bias or scale" if dims_lib.is_bias_or_scale(name) else None)
+            or (None if len(param_shape) == 2 else why or f"{len(param_shape)}-D")
+        )
+        muon = not_muon is None
+        why = not_muon if not_muon else (why or "2-D")
     if muon and len(param_shape) != 2:
         raise ValueError(
             f"{name}: a Muon parameter must be a 2-D matrix; got {param_shape=} after "
-            f"{stack} stacked axes. Declare stacking with stacked=... or route it to AdamW "
-            "with is_muon=..."
+            f"{stack} stacked axes. Declare its axes with dims=MatrixDims(...) or stacked=..., "
+            "or route it to AdamW with is_muon=..."
         )
     if muon and is_tied:
         raise ValueError(f"{name}: a tied embedding is never a Muon matrix; route it to AdamW.")
-    split = _apply_rule(rules.qkv_split, name, param_shape)
-    if split is not None:
-        split = tuple(int(x) for x in split)
-        if not muon or not split or any(x < 1 for x in split):
-            raise ValueError(
-                f"{name}: qkv_split needs a Muon matrix and positive row counts; "
-                f"got {split=}, is_muon={muon}."
-            )
+    if not muon and order is not None:  # elementwise updates need no view; keep leading stacks
+        stack = stack if order[:stack] == tuple(range(stack)) else 0
+        order = view = None
+    if order == tuple(range(len(shape))):
+        order = None
+    if view == shape:
+        view = None
+    split = _qkv_split(name, param_shape, bool(muon), context.matrix_convention, rules)
     expert_dim = (
-        _expert_dim(name, shape, stack, expert_value, expert_parallel) if is_expert else None
+        _expert_dim(name, shape, stack, expert_value, context.expert_parallel)
+        if is_expert
+        else None
     )
     if is_expert and is_tied:
         raise ValueError(
@@ -361,10 +452,127 @@ def _route_leaf(
         is_expert=is_expert,
         qkv_split_shapes=split,
         expert_dim=expert_dim,
-        expert_parallel=expert_parallel if is_expert else 1,
+        expert_parallel=context.expert_parallel if is_expert else 1,
         lr_mult=_multiplier(name, "lr_mult", _apply_rule(rules.lr_mult, name, shape)),
         wd_mult=_multiplier(name, "wd_mult", _apply_rule(rules.wd_mult, name, shape)),
         grad_norm_group=_group_name(name, _apply_rule(rules.grad_norm_group, name, shape)),
+        axes_order=order,
+        view=view,
+        why=why,
+    )
+
+
+def _view_dims(name, shape, axis_names, is_expert, context: _Context):
+    """``(stack, (batch, reduction, output) or None, why, not_matrix)`` for one leaf.
+
+    Precedence: a ``dims`` rule, a ``stacked`` rule (or an expert leaf), flax
+    axis names, a detected scanned stack, then the shape alone. ``not_matrix``
+    is the reason the axis names give for a leaf that is no matrix (a
+    ``vocab`` axis), else ``None``.
+    """
+    rules = context.rules
+    dims = _apply_rule(rules.dims, name, shape)
+    if dims is not None:
+        if not isinstance(dims, MatrixDims):
+            raise TypeError(f"{name}: a dims rule must give a MatrixDims; got {dims!r}.")
+        if is_expert:
+            raise ValueError(
+                f"{name}: dims=... cannot be combined with expert=...; put the expert axis "
+                "first and use stacked=..."
+            )
+        batch, reduction, output = dims.resolve(shape, name)
+        return len(batch), (batch, reduction, output), "dims rule", None
+    stack = _apply_rule(rules.stacked, name, shape)
+    why = f"stacked={stack}" if stack else ""
+    if stack is None and is_expert:
+        stack, why = 1, "expert"
+    if stack is None and axis_names is not None:
+        decided, found, names_why = dims_lib.dims_from_axis_names(axis_names, shape, name)
+        if decided:
+            if found is None:
+                return 0, None, names_why, names_why
+            return len(found[0]), found, names_why, None
+    if stack is None and name in context.stacks:
+        stack = context.stacks[name]
+        why = f"scanned stack of {shape[:stack]} (a stacked bias or scale in its module)"
+    stack = 0 if stack is None else stack
+    if not 0 <= stack < max(len(shape), 1):
+        raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")
+    if len(shape) - stack < 3 or is_expert:
+        return stack, None, why, None
+    batch = tuple(range(stack))
+    found, einsum_why = dims_lib.dims_from_model_dim(shape, batch, context.model_dim, name)
+    return stack, found, "; ".join(w for w in (why, einsum_why) if w), None
+
+
+def _qkv_split(name, param_shape, muon: bool, convention: str, rules: RoutingRules):
+    """The checked ``qkv_split`` of a leaf: positive rows that divide its output rows."""
+    split = _apply_rule(rules.qkv_split, name, param_shape)
+    if split is None:
+        return None
+    split = tuple(int(x) for x in split)
+    if not muon or not split or any(x < 1 for x in split):
+        raise ValueError(
+            f"{name}: qkv_split needs a Muon matrix and positive row counts; "
+            f"got {split=}, is_muon={muon}."
+        )
+    rows = param_shape[1] if convention == "in_out" else param_shape[0]
+    if rows % sum(split):
+        raise ValueError(
+            f"{name}: qkv_split={split} ({sum(split)} rows per query group) does not divide the "
+            f"{rows} output rows of {param_shape} under matrix_convention={convention!r} "
+            f"(outputs are the {'columns' if convention == 'in_out' else 'rows'})."
+        )
+    return split
+
+
+def _warn_doubtful(routes: Sequence[LeafRoute]) -> None:
+    """One warning per kind of likely-wrong route, naming the leaves."""
+    guessed = [r for r in routes if not r.why.startswith("is_muon rule")]
+    kinds = {
+        "leaves of 3+ axes go to AdamW (give their matrix axes with dims=MatrixDims(...), "
+        "or an is_muon rule to confirm)": [
+            r for r in guessed if not r.is_muon and len(r.shape) >= 3
+        ],
+        "leaves of 3+ axes are split at the model dimension by position only, no name telling "
+        "which side it is on (check their view, or give dims=MatrixDims(...))": [
+            r for r in guessed if r.is_muon and "(by position)" in r.why
+        ],
+        "biases or scales go to Muon": [
+            r for r in routes if r.is_muon and dims_lib.is_bias_or_scale(r.path)
+        ],
+        "embedding- or head-like names go to Muon": [
+            r for r in routes if r.is_muon and dims_lib.head_or_embedding_reason(r.path)
+        ],
+    }
+    for what, found in kinds.items():
+        if found:
+            listed = ", ".join(f"{r.path} {list(r.shape)} ({r.why})" for r in found[:6])
+            more = f" and {len(found) - 6} more" if len(found) > 6 else ""
+            warnings.warn(f"lwjax routing: {what}: {listed}{more}.", stacklevel=3)
+
+
+def routing_table(routes: Iterable[LeafRoute]) -> list[tuple[str, str, str, str, str]]:
+    """Per leaf: path, shape, matrix view, optimizer and why, as strings.
+
+    The view is the batch of matrices Muon sees, e.g. ``8 × [64, 128]``.
+    """
+    rows = []
+    for r in routes:
+        batch = (r.view or r.shape)[: r.stack_dims]
+        count = f"{math.prod(batch)} × " if batch else ""
+        view = f"{count}{list(r.param_shape)}" if r.is_muon else "-"
+        optimizer = "Muon" if r.is_muon else ("AdamW (tied)" if r.is_shared_embedding else "AdamW")
+        rows.append((r.path, str(list(r.shape)), view, optimizer, r.why))
+    return rows
+
+
+def format_routing_table(routes: Iterable[LeafRoute]) -> str:
+    """:func:`routing_table` as aligned plain text with a header."""
+    rows = [("path", "shape", "matrix view", "optimizer", "why"), *routing_table(routes)]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows
     )
 
 

@@ -75,7 +75,28 @@ class GradStats(NamedTuple):
     groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
 
 
-def update(plan: StepPlan, grads, state: LayerwiseState, params):
+def init(plan: StepPlan, params) -> LayerwiseState:
+    """This device's state: its shard of the packed masters, zero momenta, the elementwise state."""
+    packed = pack(plan, params, dtypes=[plan.master_dtype] * len(plan.buffers))
+    masters = tuple(
+        tuple(
+            lax.dynamic_slice(flat, (lax.axis_index(plan.axes.of(b.key)) * size,), (size,))
+            for flat, size in zip(buckets, b.shard_sizes)
+        )
+        for b, buckets in zip(plan.buffers, packed)
+    )
+    momenta = tuple(
+        tuple(jnp.zeros_like(m) for m in ms) if b.key.is_layer_wise else None
+        for b, ms in zip(plan.buffers, masters)
+    )
+    states = tuple(
+        None if b.key.is_layer_wise else tuple(plan.elementwise.init(m) for m in ms)
+        for b, ms in zip(plan.buffers, masters)
+    )
+    return LayerwiseState(jnp.zeros([], jnp.int32), masters, momenta, states)
+
+
+def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False):
     """One step of this device: ``(grads, state, params) -> (params, state, metrics)``.
 
     Args:
@@ -83,6 +104,9 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params):
       grads: This device's gradients of its local mean loss, shaped like ``params``.
       state: This device's shards of the :class:`LayerwiseState`.
       params: The parameters (their dtypes are kept).
+      reduced: ``grads`` are already the gradients of the global mean loss,
+        the same on every device (the optax form: GSPMD reduced them); each
+        device then takes its shards instead of reduce-scattering.
 
     Returns:
       The new parameters, state and metrics (``grad_norm``, ``clip_coef``,
@@ -92,7 +116,7 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params):
     check_tree(plan, grads, "update(grads)")
     ranks = device_ranks(plan)
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
-    grad_shards = reduce_scatter(plan, grads)
+    grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over all data-parallel devices.
     stats = grad_statistics(plan, grad_shards, ranks)
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
@@ -106,26 +130,36 @@ def device_ranks(plan: StepPlan) -> list[jax.Array]:
     return [lax.axis_index(plan.axes.of(b.key)) for b in plan.buffers]
 
 
-def reduce_scatter(plan: StepPlan, grads, order=None) -> list[list[jax.Array]]:
+def reduce_scatter(
+    plan: StepPlan, grads, order=None, *, reduced: bool = False
+) -> list[list[jax.Array]]:
     """Phases 1–2: pack local gradients divided by ``dp * ep``; reduce-scatter each bucket.
 
     ``order`` lists ``(buffer, bucket)`` pairs in program order (default:
-    buffer by buffer); XLA's scheduler may still run them in another.
-    Returns, per buffer and bucket, this device's summed shard in the master dtype.
+    buffer by buffer); XLA's scheduler may still run them in another. With
+    ``reduced``, ``grads`` are already global and each device slices out its
+    shards. Returns, per buffer and bucket, this device's summed shard in the
+    master dtype.
     """
     dtype = plan.master_dtype
-    packed = pack(
-        plan,
-        jax.tree.map(lambda g: g.astype(dtype) / plan.axes.num_data, grads),
-        dtypes=[b.key.grad_dtype for b in plan.buffers],
-    )
+    if reduced:
+        packed = pack(plan, grads, dtypes=[dtype] * len(plan.buffers))
+    else:
+        packed = pack(
+            plan,
+            jax.tree.map(lambda g: g.astype(dtype) / plan.axes.num_data, grads),
+            dtypes=[b.key.grad_dtype for b in plan.buffers],
+        )
     if order is None:
         order = [(i, k) for i, b in enumerate(plan.buffers) for k in range(b.num_buckets)]
     out = [[None] * b.num_buckets for b in plan.buffers]
     for i, k in order:
-        out[i][k] = lax.psum_scatter(
-            packed[i][k], plan.axes.of(plan.buffers[i].key), tiled=True
-        ).astype(dtype)
+        axis, size = plan.axes.of(plan.buffers[i].key), plan.buffers[i].shard_sizes[k]
+        if reduced:
+            shard = lax.dynamic_slice(packed[i][k], (lax.axis_index(axis) * size,), (size,))
+        else:
+            shard = lax.psum_scatter(packed[i][k], axis, tiled=True)
+        out[i][k] = shard.astype(dtype)
     return out
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -40,16 +42,82 @@ def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnu
     )
 
 
-def make_train_step(
-    loss_fn: Callable, optimizer: LayerwiseOptimizer, *, donate: bool = True
-) -> Callable:
-    """Build ``train_step(params, state, batch) -> (params, state, metrics)``, jitted.
+def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable:
+    """``(params, batch) -> (loss, grads)``, each device's own gradient, for ``optimizer.update``.
 
-    Every data-parallel device computes ``loss_fn(params, local_batch)`` and
-    its gradients on its slice of the batch (leading axis split over
-    ``optimizer.data_axes``: ``dp``, or ``(dp, ep)`` with expert parallelism);
-    the optimizer then reduce-scatters the gradients, updates the device's own
-    state and gathers the new parameters (see :mod:`lwjax.optimizer`).
+    Under ``jax.jit``, ``jax.grad`` of a loss over a dp-sharded batch
+    all-reduces each gradient where it is produced, so a following
+    reduce-scatter has nothing left to do (see ``docs/optax.md``). This
+    computes ``loss_fn(params, local_batch)`` and its gradient on every
+    data-parallel device inside ``shard_map`` and returns the gradients
+    unreduced, stacked on a leading axis of ``dp * ep`` (split over the data
+    axes); :attr:`LayerwiseOptimizer.update` recognises that shape and
+    reduce-scatters them. ``loss`` is the mean over devices.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over ``batch``.
+      optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` the gradients are for.
+
+    Returns:
+      A function of ``(params, batch)``, to call under ``jax.jit``; the
+      batch's leading axis is split over the data axes.
+    """
+    axes = optimizer.data_axes
+
+    def local(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return lax.pmean(loss, axes), jax.tree.map(lambda g: g[None], grads)
+
+    def per_device(params, batch):
+        return jax.shard_map(
+            local,
+            mesh=optimizer.mesh,
+            in_specs=(P(), P(axes)),
+            out_specs=(P(), P(axes)),
+            check_vma=False,
+        )(params, batch)
+
+    return per_device
+
+
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: LayerwiseOptimizer,
+    *,
+    donate: bool = True,
+    has_aux: bool = False,
+    mutable: bool = False,
+    rng: bool = False,
+    accumulate: int = 1,
+) -> Callable:
+    """Build ``train_step(params, state, [model_state,] batch[, key])``, jitted.
+
+    Every data-parallel device computes ``loss_fn`` and its gradients on its
+    slice of the batch (leading axis split over ``optimizer.data_axes``:
+    ``dp``, or ``(dp, ep)`` with expert parallelism); the optimizer then
+    reduce-scatters the gradients, updates the device's own state and gathers
+    the new parameters (see :mod:`lwjax.optimizer`).
+
+    ``loss_fn``'s arguments and results follow the flags:
+    ``loss_fn(params, [model_state,] batch[, key])`` returns ``loss``, or
+    ``(loss, aux)`` with ``has_aux``, ``(loss, model_state)`` with
+    ``mutable``, ``(loss, (model_state, aux))`` with both.
+
+    * ``mutable``: model state that is not trained (linen ``batch_stats``,
+      the rest of an nnx model: ``nnx.split(model, nnx.Param, ...)``) goes in
+      replicated and comes out as ``loss_fn`` returned it, its floating leaves
+      averaged over the data-parallel devices (running batch statistics: the
+      cross-device mean flax's examples take with ``sync_batch_stats``, here
+      every step; each device still normalises by its own batch unless the
+      model's ``BatchNorm`` has ``axis_name=optimizer.axis``). Other leaves
+      (RNG counters, keys) must agree across devices.
+    * ``rng``: ``train_step`` takes a key, and ``loss_fn`` gets it folded with
+      the step count (``state.count``) and the device's index, so dropout masks
+      differ across devices and steps (in nnx, ``nnx.reseed(model, dropout=key)``).
+    * ``accumulate``: each device splits its batch slice into this many
+      micro-batches on the leading axis and sums their gradients (in fp32)
+      before one optimizer step; the loss, ``aux`` and gradients are their
+      means, and the model state is threaded through them in order.
 
     With an expert axis, ``loss_fn`` sees the device's local experts (expert
     leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
@@ -57,19 +125,27 @@ def make_train_step(
     the local experts, ``psum_scatter`` of their outputs.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over ``batch``.
+      loss_fn: The per-device mean loss, as above.
       optimizer: A :class:`~lwjax.optimizer.LayerwiseOptimizer`.
-      donate: Donate ``params`` and ``state`` buffers to the step.
+      donate: Donate ``params``, ``state`` (and ``model_state``) buffers to the step.
+      has_aux: ``loss_fn`` also returns auxiliary values (averaged over devices
+        and micro-batches into ``metrics["aux"]``).
+      mutable: ``loss_fn`` takes and returns model state.
+      rng: ``train_step`` takes a PRNG key for ``loss_fn``.
+      accumulate: Micro-batches per device and step.
 
     Returns:
-      The train step. ``metrics`` holds the mean ``loss`` and the
-      optimizer's metrics (``grad_norm``, ``clip_coef``, ``num_zeros``,
-      ``update_rms``, ``skipped``, and ``grad_norm/<group>``,
-      ``clip_coef/<group>`` per separate norm group).
+      ``train_step(params, state, [model_state,] batch[, key]) -> (params,
+      state, [model_state,] metrics)``. ``metrics`` holds the mean ``loss``,
+      ``step`` (applied steps after this one) and the optimizer's metrics
+      (``grad_norm``, ``clip_coef``, ``num_zeros``, ``update_rms``,
+      ``skipped``, and ``grad_norm/<group>``, ``clip_coef/<group>`` per
+      separate norm group), and ``aux`` with ``has_aux``.
 
     Raises:
-      ValueError: (at call time) a batch leaf whose leading axis does not
-        divide by the number of data-parallel devices.
+      ValueError: ``accumulate`` is not a positive integer; (at call time) a
+        batch leaf whose leading axis does not divide by the number of
+        data-parallel devices times ``accumulate``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -83,9 +159,13 @@ def make_train_step(
       >>> step = make_train_step(loss_fn, opt)
       >>> batch = (jnp.ones((8, 4)), jnp.zeros((8, 4)))
       >>> params, state, metrics = step(params, opt.init(params), batch)
-      >>> int(state.count), bool(metrics["skipped"])
+      >>> int(metrics["step"]), bool(metrics["skipped"])
       (1, False)
     """
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(
+            f"make_train_step: accumulate must be a positive integer; got {accumulate!r}."
+        )
     mesh, axes = optimizer.mesh, optimizer.data_axes
     num_data = optimizer.num_data
     param_specs = optimizer.param_specs if optimizer.param_specs is not None else P()
@@ -95,30 +175,106 @@ def make_train_step(
         if optimizer.expert_axis is None
         else f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
     )
+    if accumulate > 1:
+        size_text += f" times accumulate={accumulate}"
+    gradients = functools.partial(
+        _local_gradients, loss_fn, has_aux=has_aux, mutable=mutable, accumulate=accumulate
+    )
 
-    def local_step(params, state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        params, state, metrics = optimizer.update(grads, state, params)
-        return params, state, {"loss": lax.pmean(loss, axes), **metrics}
+    def local_step(params, state, model_state, batch, key):
+        if key is not None:
+            key = jax.random.fold_in(jax.random.fold_in(key, state.count), lax.axis_index(axes))
+        loss, grads, model_state, aux = gradients(params, model_state, batch, key)
+        params, state, metrics = optimizer.local_update(grads, state, params)
+        metrics = {"loss": lax.pmean(loss, axes), "step": state.count, **metrics}
+        if has_aux:
+            metrics["aux"] = jax.tree.map(lambda x: lax.pmean(x, axes), aux)
+        if mutable:
+            model_state = jax.tree.map(
+                lambda x: lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                model_state,
+            )
+        return params, state, model_state, metrics
 
     step = jit_shard_map(
         local_step,
         mesh,
-        (param_specs, optimizer.state_specs, P(axes)),
-        (param_specs, optimizer.state_specs, P()),
-        donate_argnums=(0, 1) if donate else (),
+        (param_specs, optimizer.state_specs, P(), P(axes), P()),
+        (param_specs, optimizer.state_specs, P(), P()),
+        donate_argnums=(0, 1, 2) if donate else (),
     )
     param_shardings = named_shardings(mesh, param_specs)
 
-    def train_step(params, state, batch):
+    def train_step(params, state, *args):
+        expected = 1 + mutable + rng
+        if len(args) != expected:
+            names = ["model_state"] * mutable + ["batch"] + ["key"] * rng
+            raise TypeError(
+                f"train_step takes (params, state, {', '.join(names)}) with mutable={mutable}, "
+                f"rng={rng}; got {2 + len(args)} arguments."
+            )
+        model_state = args[0] if mutable else None
+        batch = args[int(mutable)]
+        key = args[-1] if rng else None
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if not leaf.shape or leaf.shape[0] % num_data:
+            if not leaf.shape or leaf.shape[0] % (num_data * accumulate):
                 raise ValueError(
                     f"batch{jax.tree_util.keystr(path)}: leading axis must divide by {size_text}; "
                     f"got shape {tuple(leaf.shape)}."
                 )
         # Parameters handed in on one device are placed on the mesh first (a no-op for the
         # step's own outputs), so the step compiles once, not again for its own outputs.
-        return step(jax.device_put(params, param_shardings), state, batch)
+        params, state, model_state, metrics = step(
+            jax.device_put(params, param_shardings), state, model_state, batch, key
+        )
+        return (params, state, model_state, metrics) if mutable else (params, state, metrics)
 
     return train_step
+
+
+def _local_gradients(loss_fn, params, model_state, batch, key, *, has_aux, mutable, accumulate):
+    """One device's mean loss, gradients, model state and aux over its micro-batches."""
+
+    def objective(params, model_state, micro, key):
+        # Rebuilt here, so that nnx variables in it belong to this trace and may be mutated.
+        model_state = jax.tree.map(lambda x: x, model_state)
+        args = (params, *((model_state,) if mutable else ()), micro)
+        out = loss_fn(*args, *((key,) if key is not None else ()))
+        if not (has_aux or mutable):
+            return out, (model_state, None)
+        loss, extra = out
+        if mutable and has_aux:
+            return loss, extra
+        return loss, (extra, None) if mutable else (model_state, extra)
+
+    def one(model_state, micro, key):
+        (loss, (model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params, model_state, micro, key
+        )
+        return loss, grads, model_state, aux
+
+    if accumulate == 1:
+        return one(model_state, batch, key)
+    micro_batches = jax.tree.map(
+        lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:]), batch
+    )
+
+    def body(carry, xs):
+        loss_sum, grad_sum, model_state = carry
+        index, micro = xs
+        micro_key = None if key is None else jax.random.fold_in(key, index)
+        loss, grads, model_state, aux = one(model_state, micro, micro_key)
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
+        return (loss_sum + loss, grad_sum, model_state), aux
+
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params
+    )
+    (loss, grads, model_state), aux = lax.scan(
+        body,
+        (jnp.zeros((), jnp.float32), zeros, model_state),
+        (jnp.arange(accumulate), micro_batches),
+    )
+    grads = jax.tree.map(lambda g, p: (g / accumulate).astype(p.dtype), grads, params)
+    aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), aux)
+    return loss / accumulate, grads, model_state, aux

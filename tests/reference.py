@@ -1,7 +1,8 @@
 """An unsharded, per-leaf reference of the layer-wise optimizer's algorithm (for tests).
 
 Muon leaves use lwjax.muon.muon_update (checked against emerging_optimizers'
-fixtures in test_muon.py) on each stacked matrix (expert stacks included); other
+fixtures in test_muon.py) on each stacked matrix (expert stacks included) of the
+leaf's matrix view (its axes reordered and merged as its route says); other
 leaves use Adam with decoupled weight decay masked off 1-D parameters. Per leaf,
 ``lr_mult`` and ``wd_mult`` scale the learning rate and weight decay. Gradients
 are clipped per norm group (the main norm, and one per ``grad_norm_group``) by
@@ -14,6 +15,20 @@ import numpy as np
 import optax
 
 from lwjax import muon as muon_lib
+
+
+def _to_view(x, route):
+    """A leaf as the batch of matrices Muon sees (the route's ``axes_order`` and ``view``)."""
+    if route.axes_order is not None:
+        x = jnp.transpose(x, route.axes_order)
+    return x.reshape(route.view) if route.view is not None else x
+
+
+def _from_view(x, route):
+    """Inverse of :func:`_to_view`."""
+    order = route.axes_order or tuple(range(len(route.shape)))
+    x = x.reshape([route.shape[a] for a in order])
+    return jnp.transpose(x, np.argsort(order)) if route.axes_order is not None else x
 
 
 class Reference:
@@ -58,15 +73,16 @@ class Reference:
                     g[i] = g[i] * coef
         for i in self.muon_idx:
             r = self.routes[i]
-            self.leaves[i], self.momenta[i] = muon_lib.muon_update(
-                self.leaves[i],
-                g[i],
-                self.momenta[i],
+            leaf, momentum = muon_lib.muon_update(
+                _to_view(self.leaves[i], r),
+                _to_view(g[i], r),
+                _to_view(self.momenta[i], r),
                 learning_rate=self.lr * r.lr_mult,
                 weight_decay=self.weight_decay * r.wd_mult,
                 config=self.muon,
                 qkv_split_shapes=r.qkv_split_shapes,
             )
+            self.leaves[i], self.momenta[i] = _from_view(leaf, r), _from_view(momentum, r)
         updates, self.adam_state = self.adam.update([g[i] for i in self.adam_idx], self.adam_state)
         for i, u in zip(self.adam_idx, updates):
             r = self.routes[i]

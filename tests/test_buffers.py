@@ -218,3 +218,28 @@ def test_make_plan_lays_out_local_experts_over_expert_dp():
         ValueError, match=r"pack: experts/b: expected shape \(2, 16\); got \(8, 16\)"
     ):
         pack(plan, params)
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_reordered_views_pack_transposed_and_unpack_to_the_leaf(dp):
+    """A leaf read with its axes reordered (MaxText's [embed, layers, mlp], an einsum kernel)
+    packs each matrix of the view whole, and unpacks to the stored leaf."""
+    from lwjax.dims import MatrixDims
+
+    rng = np.random.default_rng(0)
+    params = {
+        "wi": jnp.asarray(rng.standard_normal((8, 3, 16)), jnp.float32),  # [embed, layers, mlp]
+        "q": jnp.asarray(rng.standard_normal((2, 8, 4)), jnp.float32),  # [heads, embed, head_dim]
+    }
+    rules = RoutingRules(dims={"wi": MatrixDims(0, 2), "q": MatrixDims(1, (0, 2))})
+    plan = plan_params(params, MeshAxes("dp", dp_size=dp), LayoutConfig(bucket_size=None), rules)
+    back = unpack(plan, pack(plan, params))
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(params[name]))
+    (buffer,) = [b for b in plan.buffers if b.key.is_layer_wise]
+    whole = np.concatenate([np.asarray(b) for b in pack(plan, params)[plan.buffers.index(buffer)]])
+    start, end, _ = buffer.layout.param_index_map["wi[1]"]
+    np.testing.assert_array_equal(whole[start:end], np.asarray(params["wi"])[:, 1, :].reshape(-1))
+    start, end, _ = buffer.layout.param_index_map["q"]
+    want = np.asarray(params["q"]).transpose(1, 0, 2).reshape(-1)  # [embed, heads * head_dim]
+    np.testing.assert_array_equal(whole[start:end], want)

@@ -199,6 +199,14 @@ def test_restore_lists_every_mismatch_with_the_target(tmp_path):
         ValueError, match="routing: w1 is Muon in the checkpoint but elementwise in the target"
     ):
         checkpoint.restore(path, adam_only)
+    torch_layout = layerwise_muon(
+        params, mesh_of(2), config=OptimizerConfig(matrix_convention="out_in")
+    )
+    with pytest.raises(
+        ValueError, match="matrix_convention: the checkpoint's matrices are 'in_out'"
+    ):
+        checkpoint.restore(path, torch_layout)
+    assert checkpoint.read_record(path)["matrix_convention"] == "in_out"
 
 
 def _data_files(path: pathlib.Path):

@@ -395,7 +395,7 @@ def test_bench_builds_the_pipelined_optimizer_it_reports():
         )
         metrics = jax.eval_shape(
             jax.shard_map(
-                lambda p, s, g, opt=opt: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[2],
+                lambda p, s, g, opt=opt: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p)[2],
                 mesh=mesh,
                 in_specs=(P(), opt.state_specs, P("dp")),
                 out_specs=P(),
@@ -523,3 +523,65 @@ def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
     monkeypatch.setattr("lwjax.tools.bench.run_bench", lambda config: [record])
     assert main(["bench", "--workload", "small", "--dp", "2"]) == 0
     assert ("FLOPs lwjax computes" in capsys.readouterr().out) is counted
+
+
+def test_layout_default_is_the_optimizers_default_layout(capsys):
+    """``lwjax layout`` without --bucket-size shows what ``layerwise_muon(params, mesh)`` builds
+    (its ``LayoutConfig()``: automatic bucket size); 'none' is one bucket per buffer."""
+    import inspect
+
+    import lwjax
+
+    default = inspect.signature(lwjax.layerwise_muon).parameters["layout"].default
+    specs = preset_specs("llama1b")
+    code, out, _ = _run(capsys, "layout", "--preset", "llama1b", "--dp", "8", "--json")
+    assert code == 0
+    assert json.loads(out) == full_layout_to_json(compute_full_param_layout(specs, 8, default))
+    code, out, _ = _run(
+        capsys, "layout", "--preset", "llama1b", "--dp", "8", "--json", "--bucket-size", "none"
+    )
+    one_bucket = compute_full_param_layout(specs, 8, LayoutConfig(bucket_size=None))
+    assert (
+        json.loads(out)
+        == full_layout_to_json(one_bucket)
+        != full_layout_to_json(compute_full_param_layout(specs, 8, default))
+    )
+
+
+def test_version_prints_the_package_version(capsys):
+    import lwjax
+
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out == f"lwjax {lwjax.__version__}\n"
+
+
+def test_routes_prints_the_routing_table_of_a_shape_file_and_a_checkpoint(tmp_path, capsys):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import lwjax
+
+    shapes = {"embed/table": [64, 16], "attn/q_einsum/w": [4, 16, 8], "attn/norm/scale": [16]}
+    (tmp_path / "shapes.json").write_text(json.dumps(shapes))
+    code, out, _ = _run(capsys, "routes", str(tmp_path / "shapes.json"), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["matrix_convention"] == "in_out"
+    rows = {r["path"]: r for r in report["routes"]}
+    assert rows["attn/q_einsum/w"]["matrix_view"] == "[16, 32]"
+    assert [rows[p]["optimizer"] for p in shapes] == ["AdamW", "Muon", "AdamW"]
+    assert report["muon_fraction"] == 512 / (1024 + 512 + 16)
+
+    params = {"w": jnp.ones((8, 4)), "b": jnp.zeros(8)}
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    opt = lwjax.layerwise_muon(
+        params, mesh, config=lwjax.OptimizerConfig(matrix_convention="out_in")
+    )
+    lwjax.save(tmp_path / "ckpt", params, opt.init(params), opt)
+    code, out, _ = _run(capsys, "routes", str(tmp_path / "ckpt"), "--json")
+    report = json.loads(out)
+    assert report["matrix_convention"] == "out_in"
+    assert {r["path"]: r["optimizer"] for r in report["routes"]} == {"b": "AdamW", "w": "Muon"}
+    code, _, err = _run(capsys, "routes", str(tmp_path / "missing.json"))
+    assert code == 2 and "not a checkpoint directory or a readable JSON file" in err

@@ -31,6 +31,8 @@ PAGES = (
     "api",
     "benchmarks",
     "multihost",
+    "optax",
+    "own-step",
 )
 PAGES_WITHOUT_PYTHON = ("index", "architecture", "benchmarks")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

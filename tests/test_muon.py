@@ -895,3 +895,21 @@ def test_muon_module_docstring_examples_run():
     for module in (muon, ns_lib):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("optax_name,ours", [("standard", "simple"), ("dion", "quintic")])
+def test_optax_coefficient_names_are_aliases_of_the_same_tables(optax_name, ours):
+    """optax.contrib.muon's presets orthogonalise as lwjax's tables of the other name do."""
+    import optax
+
+    assert MuonConfig(coefficient_type=optax_name).coefficient_type == ours
+    g = jax.random.normal(jax.random.key(0), (16, 24))
+    tx = optax.contrib.muon(
+        learning_rate=1.0, ns_coeffs=optax_name, ns_steps=5, beta=0.0, weight_decay=0.0
+    )
+    (update,), _ = tx.update([g], tx.init([g]), [g])
+    update = -update  # optax returns the step, -lr times the direction
+    for name in (optax_name, ours):
+        polar = ns_lib.newton_schulz(g, coefficient_type=name, precision="highest")
+        cosine = jnp.sum(update * polar) / (jnp.linalg.norm(update) * jnp.linalg.norm(polar))
+        assert float(cosine) > 1 - 1e-5, (name, float(cosine))

@@ -61,7 +61,7 @@ def random_grads(params, dp, steps, seed=1):
 def _step_fn(opt):
     return jax.jit(
         jax.shard_map(
-            lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p),
+            lambda p, s, g: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p),
             mesh=opt.mesh,
             in_specs=(P(), opt.state_specs, P("dp")),
             out_specs=(P(), opt.state_specs, P()),
@@ -250,7 +250,7 @@ def test_bad_input_gets_clear_errors():
     bad_grads = {"w1": params["w1"], "b1": params["b1"]}
     with pytest.raises(ValueError, match="update\\(grads\\): the tree does not match"):
         jax.shard_map(
-            lambda g, s, p: opt.update(g, s, p),
+            lambda g, s, p: opt.local_update(g, s, p),
             mesh=opt.mesh,
             in_specs=(P(), opt.state_specs, P()),
             out_specs=P(),

@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import pytest
 
 from lwjax import RoutingRules
-from lwjax.routing import is_embedding_or_output, param_specs, path_name, route_leaves
+from lwjax.dims import MatrixDims
+from lwjax.routing import (
+    is_embedding_or_output,
+    param_specs,
+    path_name,
+    route_leaves,
+    routing_table,
+)
 
 
 def _records(tree):
@@ -26,9 +33,10 @@ def test_route_leaves_default_rule_matches_megatron():
             }
         ],
         "lm_head": {"kernel": jnp.zeros((8, 50))},
-        "conv": jnp.zeros((3, 3, 8)),
+        "conv": jnp.zeros((3, 3, 8, 8)),
     }
-    routes = {r.path: r for r in route_leaves(_records(tree))}
+    with pytest.warns(UserWarning, match=r"3\+ axes go to AdamW .*: conv \[3, 3, 8, 8\]"):
+        routes = {r.path: r for r in route_leaves(_records(tree))}
     assert routes["blocks/0/attn/wq"].is_muon
     for name in (
         "embed/embedding",
@@ -38,6 +46,7 @@ def test_route_leaves_default_rule_matches_megatron():
         "conv",
     ):
         assert not routes[name].is_muon, name
+    assert "2 axes of the model dimension 8" in routes["conv"].why
 
 
 def test_route_leaves_overrides_by_pattern_and_callable():
@@ -209,3 +218,128 @@ def test_route_leaves_group_options_by_pattern_and_callable():
         (1.0, 1.0, "mtp"),
         (1.0, 0.0, None),
     ]
+
+
+def _route(name, shape, rules=None, names=None, **kwargs):
+    (route,) = route_leaves([(name, shape, "float32", names)], rules or RoutingRules(), **kwargs)
+    return route
+
+
+def test_matrix_dims_put_batch_input_and_output_axes_anywhere():
+    """MaxText's scanned [embed, layers, mlp]: 'layers' is a batch axis in the middle."""
+    rules = RoutingRules(dims={"*/wi": MatrixDims(reduction=0, output=-1)})
+    route = _route("decoder/wi", (32, 4, 64), rules)
+    assert route.is_muon and route.stack_dims == 1 and route.num_params == 4
+    assert (route.axes_order, route.view, route.param_shape) == ((1, 0, 2), (4, 32, 64), (32, 64))
+    torch = _route("decoder/wi", (32, 4, 64), rules, matrix_convention="out_in")
+    assert (torch.axes_order, torch.view) == ((1, 2, 0), (4, 64, 32))
+    several = _route("q", (8, 32, 16), RoutingRules(dims={"q": MatrixDims(1, (0, 2))}))
+    assert (several.stack_dims, several.view) == (0, (32, 128))
+    with pytest.raises(ValueError, match="q: MatrixDims uses an axis twice"):
+        _route("q", (8, 32, 16), RoutingRules(dims={"q": MatrixDims(1, (1, 2))}))
+    with pytest.raises(ValueError, match=r"q: MatrixDims.output=\(3,\) is out of range"):
+        _route("q", (8, 32, 16), RoutingRules(dims={"q": MatrixDims(1, 3)}))
+    with pytest.raises(TypeError, match="a dims rule must give a MatrixDims"):
+        _route("q", (8, 32, 16), RoutingRules(dims={"q": (1, 2)}))
+
+
+def test_logical_axis_names_route_scanned_and_einsum_kernels():
+    layers = _route("mlp/wo", (64, 4, 32), names=("mlp", "layers", "embed"))
+    assert (layers.stack_dims, layers.view, layers.axes_order) == (1, (4, 64, 32), (1, 0, 2))
+    query = _route("attn/query", (32, 4, 8), names=("embed", "heads", "kv"))
+    assert (query.view, query.axes_order) == ((32, 32), None)
+    out = _route("attn/out", (4, 8, 32), names=("heads", "kv", "embed"))
+    assert out.is_muon and out.view == (32, 32)
+    tokens = _route("tok/w", (64, 32), names=("vocab", "embed"))  # no telling name: the axis
+    assert not tokens.is_muon and "a vocab axis" in tokens.why
+    # mesh-axis names (not logical ones) say nothing: the shape decides
+    meshed = _route("attn/q", (4, 32, 8), RoutingRules(model_dim=32), names=("tp", "fsdp", None))
+    assert meshed.is_muon and meshed.axes_order == (1, 0, 2)
+
+
+def test_einsum_kernels_split_at_the_model_dimension():
+    rules = RoutingRules(model_dim=32)
+    q = _route("attn/q_einsum", (4, 32, 8), rules)  # [N, D, H]
+    assert (q.is_muon, q.axes_order, q.view) == (True, (1, 0, 2), (32, 32))
+    assert "model dim 32 is the input" in q.why
+    vec = _route("attn/attn_vec_einsum", (4, 8, 32), rules)  # [N, H, D]
+    assert (vec.is_muon, vec.axes_order, vec.view) == (True, None, (32, 32))
+    with pytest.warns(UserWarning, match=r"by position only.*: blocks/kernel \[4, 32, 8\]"):
+        unnamed = _route("blocks/kernel", (4, 32, 8), rules)
+    assert unnamed.is_muon and "model dim 32 is the input (by position)" in unnamed.why
+    with pytest.warns(UserWarning, match="3\\+ axes go to AdamW"):
+        ambiguous = _route("w", (32, 32, 32), rules)
+    assert not ambiguous.is_muon and "3 axes of the model dimension 32" in ambiguous.why
+
+
+def test_heads_embeddings_biases_and_scales_stay_off_muon():
+    heads = ("out/kernel", "logits_dense/kernel", "decoder/logitdense/kernel", "pos", "wpe")
+    heads += ("score/kernel", "classifier/kernel", "transformer/wte", "output/kernel")
+    for name in heads:
+        assert not _route(name, (32, 64)).is_muon, name
+    for name in ("blocks/0/attn/out/kernel", "layers/3/mlp/output/kernel", "attention/score/w"):
+        assert _route(name, (32, 64)).is_muon, name
+    assert not _route("mlp/b", (32, 64)).is_muon  # a [L, d] stack of biases, not a matrix
+    with pytest.warns(UserWarning, match="biases or scales go to Muon: mlp/bias"):
+        _route("mlp/bias", (32, 64), RoutingRules(is_muon={"*": True}, stacked={"*": 0}))
+    with pytest.warns(UserWarning, match="embedding- or head-like names go to Muon: lm_head"):
+        _route("lm_head", (32, 64), RoutingRules(is_muon={"*": True}))
+
+
+def test_scanned_modules_are_found_from_their_stacked_biases():
+    tree = [
+        ("blocks/dense/kernel", (3, 16, 16), "float32"),
+        ("blocks/dense/bias", (3, 16), "float32"),
+        ("blocks/norm/scale", (3, 16), "float32"),
+        ("head/kernel", (16, 4), "float32"),
+    ]
+    routes = {r.path: r for r in route_leaves(tree)}
+    assert routes["blocks/dense/kernel"].is_muon and routes["blocks/dense/kernel"].num_params == 3
+    assert routes["blocks/norm/scale"].stack_dims == 1 and not routes["blocks/norm/scale"].is_muon
+    assert routes["head/kernel"].stack_dims == 0
+
+
+def test_qkv_split_is_checked_against_the_output_rows_at_construction():
+    rules = RoutingRules(qkv_split={"qkv": (32, 16, 16)})
+    assert _route("qkv", (256, 32), rules, matrix_convention="out_in").qkv_split_shapes
+    with pytest.raises(ValueError, match="qkv: qkv_split=.*does not divide the 32 output rows"):
+        _route("qkv", (256, 32), rules)  # in_out: the outputs are the 32 columns
+
+
+def test_routing_table_says_why():
+    routes = route_leaves(
+        [("w", (8, 16), "float32"), ("b", (16,), "float32"), ("embed", (64, 8), "float32")]
+    )
+    rows = {row[0]: row for row in routing_table(routes)}
+    assert rows["w"] == ("w", "[8, 16]", "[8, 16]", "Muon", "2-D")
+    assert rows["b"][3:] == ("AdamW", "bias or scale")
+    assert rows["embed"][3] == "AdamW" and "embedding or head" in rows["embed"][4]
+
+
+def test_gemma_package_layout_routes_every_einsum_kernel_whole():
+    """The ``gemma`` package's linen Transformer (names and shapes as it stores them, gemma 2/3
+    with ``transpose_gating_einsum``): D = 32, 4 heads of 8, 2 kv heads, hidden 64."""
+    layer = "transformer/layer_0/"
+    leaves = [
+        ("transformer/embedder/input_embedding", (256, 32)),
+        (layer + "attn/q_einsum/w", (4, 32, 8)),  # [N, D, H]
+        (layer + "attn/kv_einsum/w", (2, 2, 32, 8)),  # [2, K, D, H]
+        (layer + "attn/attn_vec_einsum/w", (4, 8, 32)),  # [N, H, D]
+        (layer + "mlp/gating_einsum", (2, 64, 32)),  # [2, F, D]: D contracted, though last
+        (layer + "mlp/linear", (64, 32)),  # [F, D]
+        (layer + "pre_attention_norm/scale", (32,)),
+        ("transformer/final_norm/scale", (32,)),
+    ]
+    routes = route_leaves([(n, s, "float32") for n, s in leaves])
+    table = {r.path: (r.axes_order, r.view) if r.is_muon else "adamw" for r in routes}
+    assert table == {
+        "transformer/embedder/input_embedding": "adamw",
+        layer + "attn/q_einsum/w": ((1, 0, 2), (32, 32)),
+        layer + "attn/kv_einsum/w": ((2, 0, 1, 3), (32, 32)),
+        layer + "attn/attn_vec_einsum/w": (None, (32, 32)),
+        layer + "mlp/gating_einsum": ((2, 0, 1), (32, 128)),
+        layer + "mlp/linear": (None, None),
+        layer + "pre_attention_norm/scale": "adamw",
+        "transformer/final_norm/scale": "adamw",
+    }
+    assert "is the input (by name)" in routes[4].why

@@ -28,6 +28,7 @@ def _plan(workload, dp):
             qkv_split={"*linear_qkv/weight": config.qkv_split_shapes},
         ),
         grad_reduce_in_fp32=True,
+        matrix_convention="out_in",  # Megatron's [out, in] weights: the QKV rows are rows
     )
 
 

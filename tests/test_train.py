@@ -72,7 +72,7 @@ def test_train_step_signature_aliases_parameters_and_state():
             return squares * batch[0, 0]
 
         value, g = jax.value_and_grad(loss)(p)
-        p, s, _ = opt.update(g, s, p)
+        p, s, _ = opt.local_update(g, s, p)
         return p, s, jax.lax.pmean(value, "dp")
 
     step = jit_shard_map(

@@ -151,7 +151,7 @@ def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
     grads = _grad(params, batch)
     step = jax.jit(
         jax.shard_map(
-            lambda g, s, p: opt.update(g, s, p)[:2],
+            lambda g, s, p: opt.local_update(g, s, p)[:2],
             mesh=mesh,
             in_specs=(P(), opt.state_specs, P()),
             out_specs=(P(), opt.state_specs),
@@ -173,6 +173,24 @@ def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
     _assert_trees_close(
         got_state.momenta, to_logical(opt, want_state).momenta, 1e-5
     )  # (1 - beta) g
+
+
+@pytest.mark.parametrize("per_device", [False, True], ids=["jax_grad", "lwjax_value_and_grad"])
+def test_optax_form_step_at_dp4_is_the_per_device_step(per_device):
+    """The optax-form contenders take the step lwjax's own contender takes."""
+    params = init_params(CFG.model(), jax.random.key(1))
+    mesh = mesh_of(4)
+    batch = tb.synthetic_batch(mesh, CFG.micro_batch, CFG.seq_len, CFG.model().vocab_size, seed=1)
+    opt = tb.lwjax_optimizer(params, mesh, CFG)
+    masks = jax.tree.leaves(_adam_well_conditioned(_grad(params, np.asarray(batch))))
+    copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (both steps donate)
+    got, got_state, _ = tb.lwjax_optax_step(CFG.loss(), opt, per_device=per_device)(
+        copy(), opt.init(params), batch
+    )
+    want, want_state, *_ = tb.lwjax_step(CFG.loss(), opt)(copy(), opt.init(params), batch)
+    where = [np.ones(m.shape, bool) if r.is_muon else m for r, m in zip(opt.plan.routes, masks)]
+    _assert_trees_close(got, want, 1e-5, where=where)
+    assert int(got_state.count) == int(want_state.count) == 1
 
 
 def test_cli_train_step_writes_bench_json(tmp_path, capsys):
@@ -249,11 +267,11 @@ def _run_recorded(cfg, monkeypatch):
         opt = lwjax_optimizer(*args, muon=muon, **kwargs)
 
         def update(grads, state, params):
-            new_params, new_state, metrics = opt.update(grads, state, params)
+            new_params, new_state, metrics = opt.local_update(grads, state, params)
             speculates.add((muon, "recomputed" in metrics))
             return new_params, new_state, metrics
 
-        return opt._replace(update=update)
+        return opt._replace(local_update=update)
 
     with monkeypatch.context() as patch:
         patch.setattr(tb, "lwjax_optimizer", optimizer)

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from lwjax.megatron import names as names_lib
-from lwjax.megatron.gpt import GPTConfig, keys_from_tree, tree_from_keys
+from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
 from lwjax.megatron.state import READERS, MegatronState, read_megatron
 
 TARGETS = ("lwjax", "safetensors", "torch_dist")
@@ -125,7 +125,7 @@ class MegatronImport:
                     )
                 ),
                 clip_grad=float(clip) if clip else None,
-                matrix_convention="out_in",
+                matrix_convention=MATRIX_CONVENTION,
             ),
             "routing": self.config.routing_rules(muon=self.muon),
         }
@@ -189,7 +189,10 @@ def megatron_to_logical(
     muon = bool(state.momentum)
     params = tree_from_keys(state.model)
     routes = {
-        r.path.replace("/", "."): r for r in route_params(params, config.routing_rules(muon=muon))
+        r.path.replace("/", "."): r
+        for r in route_params(
+            params, config.routing_rules(muon=muon), matrix_convention=MATRIX_CONVENTION
+        )
     }
     lwjax_muon = {k for k, r in routes.items() if r.is_muon}
     if muon and lwjax_muon != set(state.momentum):
@@ -681,7 +684,11 @@ def convert(
             num_attention_heads=config.num_attention_heads,
             num_query_groups=config.num_query_groups,
         )
-        routes = route_params(imported.params, imported.config.routing_rules(muon=imported.muon))
+        routes = route_params(
+            imported.params,
+            imported.config.routing_rules(muon=imported.muon),
+            matrix_convention=MATRIX_CONVENTION,
+        )
         metadata = {
             "megatron": {
                 "config": dataclasses.asdict(imported.config),
@@ -704,6 +711,7 @@ def convert(
             step=imported.iteration,
             metadata=metadata,
             overwrite=config.overwrite,
+            matrix_convention=MATRIX_CONVENTION,
         )
     elif target == "safetensors":
         report("writing", 2, total)

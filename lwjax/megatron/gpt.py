@@ -29,6 +29,9 @@ from typing import Any
 
 from lwjax.routing import RoutingRules
 
+# Megatron (torch) stores a linear weight as [out, in]: the optimizer's matrix_convention for it.
+MATRIX_CONVENTION = "out_in"
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:

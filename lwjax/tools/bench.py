@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax import gram
 from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
 from lwjax.layout import LayoutConfig
-from lwjax.megatron.gpt import GPTConfig, tree_from_keys
+from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, tree_from_keys
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
 from lwjax.train import jit_shard_map
@@ -224,7 +224,7 @@ def workload_optimizer(
             weight_decay=weight_decay,
             clip_grad=clip_grad,
             grad_reduce_in_fp32=grad_reduce_in_fp32,
-            matrix_convention="out_in",
+            matrix_convention=MATRIX_CONVENTION,
             pipeline_muon=pipeline_muon,
         ),
         layout=LayoutConfig(policy=policy, bucket_size=bucket_size),
@@ -263,7 +263,7 @@ def optimizer_step(opt: LayerwiseOptimizer):
     """``step(params, state, grads) -> (params, state)``: the timed step, ``params`` and ``state``
     donated; ``grads`` are per-device gradients ``[dp, ...]`` split over dp."""
     return jit_shard_map(
-        lambda p, s, g: opt.update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
+        lambda p, s, g: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
         opt.mesh,
         (P(), opt.state_specs, P("dp")),
         (P(), opt.state_specs),

@@ -42,10 +42,18 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: {message}")
 
 
+def _version() -> str:
+    """The installed lwjax version (``lwjax.__version__``, read without importing jax)."""
+    from lwjax import __version__
+
+    return __version__
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="lwjax", description="Megatron-Core's layer-wise distributed Muon optimizer in JAX."
     )
+    parser.add_argument("--version", action="version", version=f"lwjax {_version()}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.add_parser(subparsers)

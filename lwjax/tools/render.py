@@ -110,6 +110,23 @@ def print_json(obj) -> None:
     sys.stdout.write(json_text(obj) + "\n")
 
 
+# --------------------------------------------------------------------------- routes
+
+
+def print_routes(rows: Sequence[tuple], source: str, convention: str, muon_fraction: float) -> None:
+    """The routing table (:func:`lwjax.routing.routing_table` rows) and the Muon share."""
+    out = console()
+    result = table(
+        f"Routing of {source} (matrix_convention={convention})",
+        ("path", "shape", "matrix view", "optimizer", "why"),
+        text_columns=5,
+    )
+    for row in rows:
+        result.add_row(*row)
+    out.print(result)
+    out.print(f"{pct(100 * muon_fraction)} of the elements are on Muon.")
+
+
 # --------------------------------------------------------------------------- bench
 
 

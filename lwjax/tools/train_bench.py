@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax.layout import DEFAULT_POLICY
 from lwjax.megatron.gpt import GPTConfig
 from lwjax.megatron.model import gpt_loss, init_params
-from lwjax.optimizer import LayerwiseOptimizer
+from lwjax.optimizer import LayerwiseOptimizer, state_shardings
 from lwjax.tools.bench import (
     WARMUP_STEPS,
     WORKLOADS,
@@ -63,13 +64,17 @@ from lwjax.tools.bench import (
     workload_optimizer,
 )
 from lwjax.tools.demo.devices import bytes_per_device
-from lwjax.train import jit_shard_map
+from lwjax.train import jit_shard_map, value_and_grad
 
 MUON = "lwjax Muon"
 ADAMW_SHARDED = "lwjax AdamW (ZeRO-1)"
 ADAMW_REPLICATED = "optax AdamW (replicated)"
+MUON_OPTAX = "lwjax Muon, optax form (jax.grad)"
+MUON_OPTAX_PER_DEVICE = "lwjax Muon, optax form (lwjax.value_and_grad)"
 FORWARD_BACKWARD = "forward+backward"
-CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)
+COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)  # and, with optax_form, the next two
+OPTAX_FORM_CONTENDERS = (MUON_OPTAX, MUON_OPTAX_PER_DEVICE)
 
 # (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the
 # small one CPU-sized.
@@ -126,6 +131,9 @@ class TrainBenchConfig:
         the warm-up), as :class:`lwjax.tools.bench.BenchConfig` does for the
         optimizer step.
       baselines: Also time the replicated optax AdamW.
+      optax_form: Also time lwjax Muon as an optax transformation in a plain
+        ``jax.jit`` step, with gradients from ``jax.grad`` (all-reduced by
+        GSPMD) and from :func:`lwjax.value_and_grad` (reduce-scattered).
       peak_flops: Peak FLOP/s of one device for MFU; ``None``: by device kind
         (:data:`PEAK_BF16_FLOPS`), and no MFU for unknown kinds (CPU).
       seed: Seed of the initial parameters and tokens.
@@ -150,6 +158,7 @@ class TrainBenchConfig:
     pipeline_muon: bool = False
     pgle: bool = False
     baselines: bool = True
+    optax_form: bool = False
     peak_flops: float | None = None
     seed: int = 0
 
@@ -230,7 +239,7 @@ def lwjax_step(loss, optimizer: LayerwiseOptimizer):
 
     def local(params, state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
-        params, state, metrics = optimizer.update(grads, state, params)
+        params, state, metrics = optimizer.local_update(grads, state, params)
         return params, state, lax.pmean(value, axis), metrics["grad_norm"]
 
     return jit_shard_map(
@@ -238,6 +247,29 @@ def lwjax_step(loss, optimizer: LayerwiseOptimizer):
         optimizer.mesh,
         (P(), optimizer.state_specs, P(axis)),
         (P(), optimizer.state_specs, P(), P()),
+        donate_argnums=(0, 1),
+    )
+
+
+def lwjax_optax_step(loss, optimizer: LayerwiseOptimizer, *, per_device: bool):
+    """``step(params, state, batch) -> (params, state, loss)``: the optax form under ``jax.jit``.
+
+    Gradients come from ``jax.grad`` on the global batch (GSPMD all-reduces
+    them), or with ``per_device`` from :func:`lwjax.value_and_grad`
+    (reduce-scattered by ``optimizer.update``); ``optax.apply_updates``
+    applies the updates. ``params`` and ``state`` are donated.
+    """
+    grad_fn = value_and_grad(loss, optimizer) if per_device else jax.value_and_grad(loss)
+
+    def step(params, state, batch):
+        value, grads = grad_fn(params, batch)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    replicated = NamedSharding(optimizer.mesh, P())
+    return jax.jit(
+        step,
+        out_shardings=(replicated, state_shardings(optimizer), replicated),
         donate_argnums=(0, 1),
     )
 
@@ -316,6 +348,22 @@ def _replicated(tree, mesh: Mesh):
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
+def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """Per collective kind, ``(instances, result elements)`` in an optimized HLO module's text.
+
+    A tuple-shaped result (combined collectives, ``*-start`` ops) counts all its
+    arrays; kinds: ``all-reduce``, ``reduce-scatter``, ``all-gather``.
+    """
+    out = {}
+    for kind in COLLECTIVE_KINDS:
+        sizes = []
+        for match in re.finditer(rf"= (\(?[^=]*?\)?) {kind}(-start)?\(", hlo_text):
+            shapes = re.findall(r"[a-z0-9]+\[([0-9,]*)\]", match[1])
+            sizes.append(sum(math.prod(int(d) for d in s.split(",") if d) for s in shapes))
+        out[kind] = (len(sizes), sum(sizes))
+    return out
+
+
 def _compiled_bytes(compiled) -> int | None:
     """Device memory of a compiled step: arguments + outputs − donated + temporaries."""
     stats = compiled.memory_analysis()
@@ -342,6 +390,12 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
         params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON)
         step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
+    elif name in (MUON_OPTAX, MUON_OPTAX_PER_DEVICE):
+        params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
+        optimizer = lwjax_optimizer(params, mesh, cfg)
+        per_device = name == MUON_OPTAX_PER_DEVICE
+        step = lwjax_optax_step(loss, optimizer, per_device=per_device)
+        args = (params, optimizer.init(params))
     elif name == ADAMW_REPLICATED:
         params = _replicated(init_params(config, key, "float32"), mesh)
         tx = optax_adamw(cfg)
@@ -352,9 +406,11 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
             (_replicated(init_params(config, key, cfg.param_dtype), mesh),),
         )
     compiled = step.lower(*args, batch).compile()
+    text = compiled.as_text()
     record = dict(
         compiled_bytes_per_device=_compiled_bytes(compiled),
-        attention="cudnn" if "cudnn$fmha" in compiled.as_text() else "xla",
+        attention="cudnn" if "cudnn$fmha" in text else "xla",
+        collectives=collectives(text),
     )
     # Under PGLE the step is called through jit, which profiles the first calls and recompiles; the
     # executable compiled above only gives the memory figures then.
@@ -408,7 +464,13 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     numel = sum(math.prod(s) for s in model.param_shapes().values())
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     peak = _peak_flops(cfg, devices[0])
-    names = [MUON, ADAMW_SHARDED, *([ADAMW_REPLICATED] if cfg.baselines else []), FORWARD_BACKWARD]
+    names = [
+        MUON,
+        *(OPTAX_FORM_CONTENDERS if cfg.optax_form else ()),
+        ADAMW_SHARDED,
+        *([ADAMW_REPLICATED] if cfg.baselines else []),
+        FORWARD_BACKWARD,
+    ]
     records = []
     for dp in cfg.dp_sizes:
         if dp > len(devices):
@@ -449,7 +511,10 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             rows[name]["optimizer_ms"] = rows[name]["step_ms"] - floor_ms
         muon_ms = rows[MUON]["step_ms"]
         rows[MUON]["muon_overhead_pct"] = {
-            n: 100 * (muon_ms / rows[n]["step_ms"] - 1) for n in names[1:-1]
+            n: 100 * (muon_ms / rows[n]["step_ms"] - 1) for n in names[1:-1] if "Muon" not in n
         }
+        for name in OPTAX_FORM_CONTENDERS:
+            if name in rows:  # the optax form against make_train_step's per-device step
+                rows[name]["vs_lwjax_step_pct"] = 100 * (rows[name]["step_ms"] / muon_ms - 1)
         records += rows.values()
     return records

@@ -81,6 +81,7 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         pipeline_muon=args.pipeline_muon,
         pgle=args.pgle,
         baselines=args.baselines,
+        optax_form=args.optax_form,
     )
     records = run_train_bench(config)
     if not _emit_records(args, records):
@@ -98,7 +99,8 @@ def _emit_records(args: argparse.Namespace, records: list[dict]) -> bool:
     return args.json
 
 
-def _bucket_size(text: str) -> int | str | None:
+def bucket_size_arg(text: str) -> int | str | None:
+    """``--bucket-size`` (bench and layout): an element count, ``none`` or ``auto``."""
     if text in ("auto", "none"):
         return None if text == "none" else text
     try:
@@ -169,7 +171,7 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
         "--bucket-size",
         "--ddp-bucket-size",
         dest="bucket_size",
-        type=_bucket_size,
+        type=bucket_size_arg,
         default="auto",
         help="elements per bucket, 'none' for one bucket per buffer, or 'auto' (default)",
     )
@@ -235,4 +237,10 @@ def _add_train_step_flags(p: argparse.ArgumentParser) -> None:
         "--remat",
         action="store_true",
         help="with --train-step: recompute each layer's activations in the backward pass",
+    )
+    p.add_argument(
+        "--optax-form",
+        action="store_true",
+        help="with --train-step: also time lwjax Muon as an optax transformation under jax.jit "
+        "(gradients from jax.grad, and from lwjax.value_and_grad)",
     )

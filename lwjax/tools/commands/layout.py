@@ -21,6 +21,7 @@ import pathlib
 from lwjax.cost import DEFAULT_NUM_NS_STEPS
 from lwjax.layout import DEFAULT_POLICY, POLICIES, LayoutConfig
 from lwjax.policies import compute_layout
+from lwjax.tools.commands.bench import bucket_size_arg
 from lwjax.tools.layout_report import (
     compare_policies,
     evaluate_policy,
@@ -110,11 +111,11 @@ def add_parser(subparsers) -> None:
         "--bucket-size",
         "--ddp-bucket-size",
         dest="bucket_size",
-        type=int,
-        default=None,
+        type=bucket_size_arg,
+        default="auto",
         metavar="B",
-        help="bucket size in elements (a soft minimum for layer-wise buffers); "
-        "default: one bucket per buffer",
+        help="bucket size in elements (a soft minimum for layer-wise buffers), 'none' for one "
+        "bucket per buffer, or 'auto' (the default, layerwise_muon's)",
     )
     p.add_argument(
         "--high-busbw",

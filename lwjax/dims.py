@@ -1,0 +1,289 @@
+"""Which axes of a parameter form its Muon matrix, read from names and shapes (pure Python).
+
+A leaf of any rank is seen as a batch of matrices: its *batch* axes index
+independent matrices (scanned layers, experts), its *reduction* axes are the
+matrix's inputs (contracted with the activations) and its *output* axes the
+matrix's outputs. An einsum kernel ``[N, D, H]`` (heads, model, head dim) with
+reduction ``D`` is one ``D × (N·H)`` matrix; a scanned kernel ``[L, D, F]``
+with batch ``L`` is ``L`` matrices ``D × F``. :class:`MatrixDims` states this
+per leaf, like optax's ``MuonDimensionNumbers`` but with several axes per role.
+
+Without a rule, :func:`infer_dims` reads, in order:
+
+1. flax logical axis names (``nn.with_logical_partitioning``,
+   ``nnx.with_partitioning``): ``layers``/``stage``/``experts``-like names are
+   batch axes, a ``vocab`` axis marks an embedding or head, and the model axis
+   (``embed``) is the one input or the one output of the matrix;
+2. shapes: a 2-D view is one matrix as stored; a view of 3+ axes is split at
+   the model dimension (``model_dim``, by default the width of the embedding
+   table) the same way, when exactly one axis has that size.
+
+Which side the model axis is on comes from the module's name where it tells
+(:func:`model_axis_side`: ``q_einsum`` and ``gating_einsum`` take it in,
+``attn_vec_einsum`` and ``out`` give it out), else from its position (the
+last matrix axis is an output).
+
+Anything else is not a matrix and goes to AdamW, with a warning from
+:func:`lwjax.routing.route_leaves`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+Axes = tuple[int, ...]
+
+BATCH_AXIS_NAMES = frozenset(
+    {"layers", "layer", "stage", "stages", "scan", "repeat", "experts", "expert", "exp"}
+)
+MODEL_AXIS_NAMES = frozenset({"embed", "embedding", "d_model", "model", "hidden"})
+VOCAB_AXIS_NAMES = frozenset({"vocab", "vocabulary"})
+
+# Components that name an embedding table or an output head anywhere in a path ...
+_HEAD_ANYWHERE = (
+    r"[^/.]*embed[^/.]*|wte|wpe|lm_head|head|output_layer|logits|logits_dense|logitdense|classifier"
+)
+# ... and generic ones that do only outside attention and MLP blocks (an attention
+# block's ``out`` projection is a matrix; a model's top-level ``out`` is its head).
+_HEAD_OUTSIDE_BLOCKS = r"out|output|score|pos"
+_BLOCK = re.compile(r"att|mlp|ffn|feed_?forward|block|layer|expert")
+_HEAD = re.compile(rf"^({_HEAD_ANYWHERE})$")
+_GENERIC_HEAD = re.compile(rf"^({_HEAD_OUTSIDE_BLOCKS})$")
+_BIAS_OR_SCALE = frozenset({"bias", "b", "scale", "gamma", "beta", "offset"})
+# Words in a module's name (split at "_") that say which side of it the model dimension is on:
+# the input of q/k/v, gate and up projections, the output of attention-out and down projections.
+# Input words win (``q_proj``, ``up_proj``); ``proj`` alone is an output (``c_proj``).
+_INPUT_WORDS = frozenset(
+    {"q", "k", "v", "qkv", "kv", "query", "key", "value", "gate", "gating", "up", "wi", "fc1"}
+    | {"w1", "w3", "in"}
+)
+_OUTPUT_WORDS = frozenset({"out", "o", "wo", "down", "fc2", "w2", "vec", "proj", "output"})
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixDims:
+    """Which axes of a leaf are its matrix's inputs and outputs; all others are batch axes.
+
+    Attributes:
+      reduction: The input axes (contracted with the activations), an int or
+        a tuple; negative values count from the end.
+      output: The output axes, likewise.
+
+    Examples:
+      >>> MatrixDims(reduction=1, output=(0, 2)).resolve((8, 64, 16), "q_einsum")
+      ((), (1,), (0, 2))
+    """
+
+    reduction: int | Axes
+    output: int | Axes
+
+    def __post_init__(self):
+        for field in ("reduction", "output"):
+            value = getattr(self, field)
+            value = (value,) if isinstance(value, int) else tuple(value)
+            if not value or not all(isinstance(a, int) and not isinstance(a, bool) for a in value):
+                raise TypeError(
+                    f"MatrixDims.{field} must be an int or a non-empty tuple of ints; "
+                    f"got {value!r}."
+                )
+            object.__setattr__(self, field, value)
+
+    def resolve(self, shape: Sequence[int], name: str) -> tuple[Axes, Axes, Axes]:
+        """``(batch, reduction, output)`` axes of a leaf of this ``shape``, non-negative, sorted.
+
+        Raises:
+          ValueError: naming the leaf, for an axis out of range or used twice.
+        """
+        ndim = len(shape)
+        roles = []
+        for field in ("reduction", "output"):
+            axes = getattr(self, field)
+            if any(not -ndim <= a < ndim for a in axes):
+                raise ValueError(
+                    f"{name}: MatrixDims.{field}={axes} is out of range for shape {tuple(shape)}."
+                )
+            roles.append(tuple(sorted(a % ndim for a in axes)))
+        reduction, output = roles
+        if set(reduction) & set(output) or len(set(reduction)) < len(reduction):
+            raise ValueError(
+                f"{name}: MatrixDims uses an axis twice: reduction={reduction}, output={output}."
+            )
+        batch = tuple(a for a in range(ndim) if a not in reduction and a not in output)
+        return batch, reduction, output
+
+
+def components(name: str) -> list[str]:
+    """A parameter name's lower-case components, split at ``/`` and ``.``."""
+    return [c for c in re.split(r"[/.]", name.lower()) if c]
+
+
+def head_or_embedding_reason(name: str) -> str | None:
+    """Why a name looks like an embedding table or output head, or ``None`` if it does not.
+
+    Specific names (``embed*``, ``wte``, ``wpe``, ``lm_head``, ``head``,
+    ``output_layer``, ``logits``, ``logits_dense``, ``logitdense``,
+    ``classifier``) count anywhere in the path; the generic ``out``,
+    ``output``, ``score`` and ``pos`` only outside attention and MLP blocks.
+    """
+    parts = components(name)
+    for i, part in enumerate(parts):
+        if _HEAD.match(part):
+            return f"name {part!r}: embedding or head"
+        if _GENERIC_HEAD.match(part) and not any(_BLOCK.search(p) for p in parts[:i]):
+            return f"name {part!r} outside a block: embedding or head"
+    return None
+
+
+def is_bias_or_scale(name: str) -> bool:
+    """Whether the leaf's own name is a bias, norm scale or offset (never a matrix by default)."""
+    parts = components(name)
+    return bool(parts) and re.sub(r"\[.*\]$", "", parts[-1]) in _BIAS_OR_SCALE
+
+
+def dims_from_axis_names(
+    names: Sequence[str | None], shape: Sequence[int], name: str = ""
+) -> tuple[bool, tuple[Axes, Axes, Axes] | None, str]:
+    """``(decided, (batch, reduction, output) or None, why)`` from flax logical axis names.
+
+    Undecided (the caller reads the shape instead) when the names do not
+    match the shape one to one (flax's 3-D attention kernels carry two) or
+    name no known logical axis (mesh axes such as ``fsdp``). Decided ``None``
+    when a ``vocab`` axis marks an embedding or head, or fewer than two matrix
+    axes remain.
+    """
+    lowered = [n.lower() if isinstance(n, str) else None for n in names]
+    known = BATCH_AXIS_NAMES | MODEL_AXIS_NAMES | VOCAB_AXIS_NAMES
+    if len(names) != len(shape) or not any(n in known for n in lowered):
+        return False, None, ""
+    why = f"axis names {tuple(names)}"
+    if any(n in VOCAB_AXIS_NAMES for n in lowered):
+        return True, None, f"{why}: a vocab axis (embedding or head)"
+    batch = tuple(a for a, n in enumerate(lowered) if n in BATCH_AXIS_NAMES)
+    matrix = [a for a in range(len(shape)) if a not in batch]
+    if len(matrix) < 2:
+        return True, None, f"{why}: {len(matrix)}-D"
+    model = [a for a in matrix if lowered[a] in MODEL_AXIS_NAMES]
+    if len(model) == 1:
+        axes, side = _split_at(batch, matrix, model[0], name)
+        return True, axes, f"{why}: {names[model[0]]} is {side}"
+    if len(matrix) == 2:
+        return True, (batch, (matrix[0],), (matrix[1],)), why
+    return True, None, f"{why}: no single model axis among the matrix axes"
+
+
+def dims_from_model_dim(
+    shape: Sequence[int], batch: Axes, model_dim: int | None, name: str = ""
+) -> tuple[tuple[Axes, Axes, Axes] | None, str]:
+    """``(batch, reduction, output)`` of a 3+-axis view split at its one ``model_dim`` axis."""
+    matrix = [a for a in range(len(shape)) if a not in batch]
+    if model_dim is None:
+        return None, f"{len(matrix)}-D with no model dimension to split at"
+    model = [a for a in matrix if shape[a] == model_dim]
+    if len(model) != 1:
+        return None, (
+            f"{len(matrix)}-D with {len(model)} axes of the model dimension {model_dim}; "
+            "say which are inputs with dims=MatrixDims(...)"
+        )
+    axes, side = _split_at(batch, matrix, model[0], name)
+    return axes, f"einsum: model dim {model_dim} is {side}"
+
+
+def model_axis_side(name: str) -> str | None:
+    """``"input"`` or ``"output"``: where a kernel's module name puts the model dimension.
+
+    Read from the last path component with a telling word: ``q_einsum``,
+    ``gating_einsum``, ``query``, ``up_proj`` take the model dimension in;
+    ``attn_vec_einsum``, ``out``, ``o_proj``, ``down_proj``, ``c_proj`` give it out.
+    ``None`` when no component tells.
+    """
+    for part in reversed(components(name)):
+        words = set(part.split("_"))
+        if words & _INPUT_WORDS:
+            return "input"
+        if words & _OUTPUT_WORDS:
+            return "output"
+    return None
+
+
+def _split_at(
+    batch: Axes, matrix: list[int], model: int, name: str = ""
+) -> tuple[tuple[Axes, Axes, Axes], str]:
+    """Split the matrix axes at the model axis: it is the one input or the one output.
+
+    The module's name decides (:func:`model_axis_side`); without a telling
+    name, the model axis is the output when it is the last matrix axis.
+    Returns the axes and which rule decided.
+    """
+    rest = tuple(a for a in matrix if a != model)
+    side = model_axis_side(name)
+    how = "by name" if side else "by position"
+    side = side or ("output" if model == matrix[-1] else "input")
+    axes = (batch, rest, (model,)) if side == "output" else (batch, (model,), rest)
+    return axes, f"the {side} ({how})"
+
+
+def infer_model_dim(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> int | None:
+    """The model width: the last axis of the first 2-D embedding table, else the commonest size.
+
+    ``leaves`` are ``(name, shape)``. The commonest axis size among 2+-D
+    leaves (ties to the larger) stands in for models without an embedding.
+    """
+    for name, shape in leaves:
+        if len(shape) == 2 and any("embed" in c or c in ("wte",) for c in components(name)):
+            return shape[-1]
+    counts = collections.Counter(d for _, shape in leaves if len(shape) >= 2 for d in shape)
+    if not counts:
+        return None
+    return max(counts, key=lambda d: (counts[d], d))
+
+
+def detect_stacks(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """Scanned stacks found without a rule: ``{name: number of leading stack axes}``.
+
+    A bias or scale with ``k + 1`` axes is ``k`` stacked vectors. Its stack
+    covers the largest enclosing module (path prefix, not the whole tree
+    unless the bias sits at its root) whose every leaf has the same ``k``
+    leading sizes, so the module's kernels stack with it.
+    """
+    found: dict[str, int] = {}
+    for name, shape in leaves:
+        if not is_bias_or_scale(name) or len(shape) < 2 or name in found:
+            continue
+        k = len(shape) - 1
+        lead = shape[:k]
+        parts = name.split("/")
+        root = None
+        # The tree's root counts as a module only for a bias at the root ({"w": ..., "b": ...}).
+        for depth in range(len(parts) - 1, 0 if len(parts) > 1 else -1, -1):
+            prefix = "/".join(parts[:depth]) + "/" if depth else ""
+            members = [(n, s) for n, s in leaves if n.startswith(prefix)]
+            if all(len(s) > k and s[:k] == lead for _, s in members):
+                root = prefix
+            else:
+                break
+        if root is None:
+            continue
+        for n, _ in leaves:
+            if n.startswith(root):
+                found[n] = k
+    return found
+
+
+def view_shape(shape: Sequence[int], batch: Axes, reduction: Axes, output: Axes, rows_first: str):
+    """The axis order and shape the optimizer reads: batch axes, then the 2-D matrix.
+
+    ``rows_first`` is ``"in_out"`` (rows are the inputs, as flax stores
+    kernels) or ``"out_in"`` (rows are the outputs, as torch does).
+    """
+    rows, cols = (reduction, output) if rows_first == "in_out" else (output, reduction)
+    order = (*batch, *rows, *cols)
+    view = (
+        *(shape[a] for a in batch),
+        math.prod(shape[a] for a in rows),
+        math.prod(shape[a] for a in cols),
+    )
+    return order, view

@@ -1,0 +1,211 @@
+"""The optax form: ``init``/``update`` on global arrays in a plain ``jax.jit`` loop.
+
+Compared with ``make_train_step`` (the per-device form, itself checked against the unsharded
+reference elsewhere), for ``flax.nnx.Optimizer``, ``optax.apply_updates`` and ``optax.chain``;
+the compiled step reduce-scatters per-device gradients; bf16 parameters come back exactly
+``bf16(master)``; bad trees name their first wrong path.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lwjax
+from lwjax.tools.train_bench import collectives
+
+STEPS = 6
+
+
+def _mesh(dp=8):
+    return Mesh(np.array(jax.devices()[:dp]), ("dp",))
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 32, rngs=rngs)
+        self.l3 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l3(jnp.tanh(self.l2(jnp.tanh(self.l1(x)))))
+
+
+def _batch(mesh):
+    keys = jax.random.split(jax.random.key(1))
+    x, y = jax.random.normal(keys[0], (64, 16)), jax.random.normal(keys[1], (64, 8))
+    return jax.device_put((x, y), NamedSharding(mesh, P("dp")))
+
+
+def _loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def _reference_params(mesh, batch):
+    """``make_train_step`` on the same model, as pure parameter arrays per step."""
+    graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
+    params = nnx.as_pure(params)
+    opt = lwjax.layerwise_muon(params, mesh)
+    step = lwjax.make_train_step(lambda p, b: _loss(nnx.merge(graphdef, p), b), opt, donate=False)
+    state, out = opt.init(params), []
+    for _ in range(STEPS):
+        params, state, _ = step(params, state, batch)
+        out.append(params)
+    return out
+
+
+def _close(a, b, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol)
+
+
+@pytest.mark.parametrize("per_device", [False, True], ids=["nnx_grad", "lwjax_value_and_grad"])
+def test_nnx_optimizer_trains_as_make_train_step(per_device):
+    mesh = _mesh()
+    batch = _batch(mesh)
+    model = _MLP(nnx.Rngs(0))
+    tx = lwjax.layerwise_muon(nnx.state(model, nnx.Param), mesh)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        if per_device:
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            loss_fn = lambda p, b: _loss(nnx.merge(graphdef, p, rest), b)  # noqa: E731
+            _, grads = lwjax.value_and_grad(loss_fn, tx)(params, batch)
+        else:
+            grads = nnx.grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+
+    for want in _reference_params(mesh, batch):
+        train_step(model, optimizer, batch)
+        _close(nnx.as_pure(nnx.state(model, nnx.Param)), want)
+    assert int(optimizer.opt_state.count[...]) == STEPS
+
+
+def test_per_device_gradients_compile_to_reduce_scatter_and_all_gather():
+    """With ``lwjax.value_and_grad`` the jitted nnx step reduce-scatters the gradients and
+    all-gathers the parameters; the only all-reduces are the few scalars of the norms and loss."""
+    mesh = _mesh()
+    model = _MLP(nnx.Rngs(0))
+    tx = lwjax.layerwise_muon(nnx.state(model, nnx.Param), mesh)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        loss_fn = lambda p, b: _loss(nnx.merge(graphdef, p, rest), b)  # noqa: E731
+        loss, grads = lwjax.value_and_grad(loss_fn, tx)(params, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    found = collectives(train_step.lower(model, optimizer, _batch(mesh)).compile().as_text())
+    numel = sum(int(np.prod(r.shape)) for r in tx.plan.routes)
+    assert found["reduce-scatter"][0] >= 1 and found["all-gather"][0] >= 1, found
+    assert found["reduce-scatter"][1] * 8 >= numel  # every gradient element is scattered
+    assert found["all-reduce"][1] < 8, found  # only the norm, the zero count and the loss
+
+
+def test_bf16_params_come_back_as_bf16_of_the_masters():
+    mesh = _mesh()
+    params = {"w": jax.random.normal(jax.random.key(0), (32, 32), jnp.bfloat16)}
+    params["b"] = jnp.ones(32, jnp.bfloat16)
+    tx = lwjax.layerwise_muon(params, mesh)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: (0.3 * p).astype(jnp.bfloat16), params)
+    for _ in range(3):
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
+        params = optax.apply_updates(params, updates)
+    masters = lwjax.to_logical(tx, state).masters
+    for name in params:
+        assert params[name].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(params[name], masters[name].astype(jnp.bfloat16))
+
+
+def test_chain_with_clipping_before_it_clips_the_whole_gradient():
+    """optax's clip sees the global gradient; it matches lwjax's own clipping (whose norm adds
+    1e-6, Megatron's)."""
+    mesh = _mesh()
+    params = {"w": jax.random.normal(jax.random.key(0), (32, 16)), "b": jnp.zeros(16)}
+    grads = jax.tree.map(lambda p: 5.0 * jnp.ones_like(p), params)
+    unclipped = lwjax.OptimizerConfig(clip_grad=None)
+    chained = optax.chain(
+        optax.clip_by_global_norm(1.0), lwjax.layerwise_muon(params, mesh, config=unclipped)
+    )
+    own = lwjax.layerwise_muon(params, mesh)
+    got, _ = jax.jit(chained.update)(grads, chained.init(params), params)
+    want, _ = jax.jit(own.update)(grads, own.init(params), params)
+    _close(got, want, atol=1e-6)
+
+
+def test_state_is_split_over_dp():
+    mesh = _mesh()
+    params = {f"w{i}": jnp.ones((64, 64)) for i in range(8)}
+    state = lwjax.layerwise_muon(params, mesh).init(params)
+    for x in jax.tree.leaves(state.masters):
+        assert {s.data.shape[0] for s in x.addressable_shards} == {x.shape[0] // 8}
+
+
+def test_bad_trees_name_the_first_wrong_path():
+    mesh = _mesh(2)
+    params = {"a": jnp.ones((4, 4)), "b": jnp.ones(4)}
+    tx = lwjax.layerwise_muon(params, mesh)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"update\(grads\): leaf 1 should be 'b'.*got 'c'"):
+        tx.update({"a": jnp.ones((4, 4)), "c": jnp.ones(4)}, state, params)
+    with pytest.raises(ValueError, match=r"update\(grads\): b: expected shape \(4,\); got \(5,\)"):
+        tx.update({"a": jnp.ones((4, 4)), "b": jnp.ones(5)}, state, params)
+    with pytest.raises(ValueError, match="params are required"):
+        tx.update(params, state)
+    with pytest.raises(ValueError, match=r"'z' is not a parameter"):
+        tx.init({**params, "z": jnp.ones(3)})
+
+
+def test_replace_keeps_the_plan():
+    params = {"a": jnp.ones((4, 4))}
+    tx = lwjax.layerwise_muon(params, _mesh(2))
+    other = tx._replace(axis="dp")
+    assert other.plan is tx.plan and other.update is tx.update
+    with pytest.raises(ValueError, match="no field or attribute"):
+        tx._replace(nope=1)
+
+
+class _BatchNormDropout(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.l2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
+
+
+def test_nnx_quickstart_loop_with_batchnorm_and_dropout():
+    """flax's quickstart loop, unchanged, on a model with rest state (batch statistics, RNG
+    counts): under ``nnx.jit`` the statistics are the global batch's and the state updates."""
+    mesh = _mesh()
+    model = _BatchNormDropout(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, lwjax.layerwise_muon(nnx.state(model, nnx.Param), mesh), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    batch = _batch(mesh)
+    losses = [float(train_step(model, optimizer, batch)) for _ in range(10)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    mean = np.asarray(model.bn.mean[...])
+    assert np.all(np.isfinite(mean)) and np.any(mean != 0)
+    assert int(optimizer.opt_state.count[...]) == 10

@@ -1,0 +1,177 @@
+"""``make_train_step`` with what real loops carry: aux values, per-device RNG keys, mutable model
+state (BatchNorm statistics averaged over dp), micro-batch accumulation, the step index."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import lwjax
+
+DP = 8
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:DP]), ("dp",))
+
+
+def _linear_problem():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((8, 4)) / 3, jnp.float32), "b": jnp.zeros(4)}
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    return params, (x, np.tanh(x[:, :4]).astype(np.float32))
+
+
+def _mse(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    params, batch = _linear_problem()
+    opt = lwjax.layerwise_muon(params, _mesh())
+    runs = []
+    for accumulate in (1, 4):
+        step = lwjax.make_train_step(_mse, opt, accumulate=accumulate, donate=False)
+        p, state, losses = params, opt.init(params), []
+        for _ in range(3):
+            p, state, metrics = step(p, state, batch)
+            losses.append(float(metrics["loss"]))
+        runs.append((p, losses, int(metrics["step"])))
+    (p1, l1, s1), (p4, l4, s4) = runs
+    np.testing.assert_allclose(l4, l1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert s1 == s4 == 3
+    with pytest.raises(ValueError, match=r"leading axis must divide by dp=8 times accumulate=3"):
+        lwjax.make_train_step(_mse, opt, accumulate=3)(params, opt.init(params), batch)
+    with pytest.raises(ValueError, match="accumulate must be a positive integer"):
+        lwjax.make_train_step(_mse, opt, accumulate=0)
+
+
+def test_aux_is_averaged_and_keys_differ_across_devices_and_steps():
+    """``aux`` here is each device's dropout-style mask of its key: averaged over 8 devices it
+    takes fractional values only if the devices' keys differ, and it changes from step to step."""
+    params, batch = _linear_problem()
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, batch, key):
+        mask = jax.random.bernoulli(key, 0.5, (256,)).astype(jnp.float32)
+        return _mse(params, batch), {"mask": mask, "x_mean": jnp.mean(batch[0])}
+
+    step = lwjax.make_train_step(loss_fn, opt, has_aux=True, rng=True, donate=False)
+    state, masks = opt.init(params), []
+    for _ in range(2):
+        _, state, metrics = step(params, state, batch, jax.random.key(0))  # the same key each call
+        masks.append(np.asarray(metrics["aux"]["mask"]))
+    assert set(np.unique(masks[0] * DP)) - {0.0, float(DP)}  # devices drew different masks
+    assert not np.array_equal(masks[0], masks[1])  # the step count is folded in
+    np.testing.assert_allclose(metrics["aux"]["x_mean"], np.mean(batch[0]), rtol=1e-5)
+    with pytest.raises(TypeError, match=r"takes \(params, state, batch, key\)"):
+        step(params, state, batch)
+
+
+class _BatchNormMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
+
+
+def _shifted_batch():
+    """Each device's slice has its own mean, so per-device statistics would differ."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 8)).astype(np.float32) + np.repeat(np.arange(DP), 8)[:, None]
+    return x, rng.integers(0, 4, 64).astype(np.int32)
+
+
+def test_nnx_batchnorm_and_dropout_train_with_the_rest_state():
+    """The nnx pattern: split off the rest, reseed dropout with the step's key, return the rest."""
+    model = _BatchNormMLP(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, rest, batch, key):
+        model = nnx.merge(graphdef, params, rest)
+        nnx.reseed(model, dropout=key)
+        x, y = batch
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+    step = lwjax.make_train_step(loss_fn, opt, mutable=True, rng=True)
+    batch, state, losses = _shifted_batch(), opt.init(params), []
+    for i in range(12):
+        params, state, rest, metrics = step(params, state, rest, batch, jax.random.key(i))
+        losses.append(float(metrics["loss"]))
+        if i == 0:
+            first_mean = np.asarray(rest["bn"]["mean"][...])
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert np.all(np.isfinite(first_mean)) and np.any(first_mean != 0)
+    assert np.any(np.asarray(rest["bn"]["mean"][...]) != first_mean)  # updated every step
+
+
+def test_batch_statistics_are_averaged_over_dp():
+    """One step of a BatchNorm on the input: the running mean is the global batch mean times
+    (1 - momentum), although each device saw only its own shifted slice."""
+    model = nnx.BatchNorm(8, momentum=0.5, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest)
+        return jnp.mean(model(batch) ** 2), nnx.state(model, nnx.Not(nnx.Param))
+
+    x = _shifted_batch()[0]
+    _, _, rest, _ = lwjax.make_train_step(loss_fn, opt, mutable=True)(
+        params, opt.init(params), rest, x
+    )
+    np.testing.assert_allclose(rest["mean"][...], 0.5 * x.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(
+        rest["var"][...], 0.5 + 0.5 * x.reshape(DP, 8, 8).var(1).mean(0), rtol=1e-4
+    )
+
+
+class _LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(32)(x))
+        x = nn.Dropout(0.2, deterministic=not train)(jax.nn.relu(x))
+        return nn.Dense(4)(x)
+
+
+def test_linen_batch_stats_and_dropout_rngs():
+    net = _LinenNet()
+    x, y = _shifted_batch()
+    variables = net.init(jax.random.key(0), x[:2], train=False)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, batch_stats, batch, key):
+        x, y = batch
+        logits, updates = net.apply(
+            {"params": params, "batch_stats": batch_stats},
+            x,
+            train=True,
+            mutable=["batch_stats"],
+            rngs={"dropout": key},
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, updates["batch_stats"]
+
+    step = lwjax.make_train_step(loss_fn, opt, mutable=True, rng=True)
+    state, losses = opt.init(params), []
+    for i in range(12):
+        params, state, batch_stats, metrics = step(
+            params, state, batch_stats, (x, y), jax.random.key(i)
+        )
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert np.all(np.asarray(batch_stats["BatchNorm_0"]["mean"]) != 0)
