@@ -17,7 +17,13 @@ On disk (orbax-checkpoint, one composite checkpoint)::
 
 Saves are atomic: orbax writes ``<path>.orbax-checkpoint-tmp`` and renames it
 when complete, so an interrupted save leaves nothing at ``<path>``;
-:func:`restore` refuses a temporary or uncommitted directory. Before anything
+:func:`restore` refuses a temporary or uncommitted directory. An overwrite
+writes the new checkpoint beside the old one (``<path>.lwjax-new``) and swaps
+it in only once it has committed (the old one goes through
+``<path>.lwjax-old``), so a crash at any point leaves a complete checkpoint
+that :func:`restore` finds: the old one, or the new one between the two
+renames of the swap. The next save to ``<path>`` finishes or clears what an
+interrupted overwrite left. Before anything
 is read, the record is checked against the target (missing or unexpected
 arrays, shapes, dtypes, routing); after reading, every array's fingerprint
 (position-weighted sums of its bits) is checked, so a truncated or corrupted
@@ -51,19 +57,24 @@ FORMAT_VERSION = 1
 ARRAYS_ITEM = "arrays"
 RECORD_ITEM = "lwjax"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+NEW_SUFFIX = ".lwjax-new"  # an overwrite's new checkpoint, until it is swapped in
+OLD_SUFFIX = ".lwjax-old"  # the overwritten checkpoint, while the new one is swapped in
 _MIX = (0x9E3779B1, 0x7F4A7C15, 0x85EBCA77)
 
 
 class AsyncSave:
     """A save running in the background; :meth:`wait` blocks until it is committed."""
 
-    def __init__(self, checkpointer, path: epath.Path):
+    def __init__(self, checkpointer, path: epath.Path, written: epath.Path):
         self._checkpointer = checkpointer
         self.path = path
+        self._written = written
 
     def wait(self) -> epath.Path:
         """Block until the checkpoint is complete at :attr:`path`; return it."""
         self._checkpointer.wait_until_finished()
+        if self._written != self.path:
+            _swap_in(self._written, self.path)
         return self.path
 
 
@@ -154,11 +165,23 @@ def _as_path(path) -> epath.Path:
 
 
 def _check_new_path(path: epath.Path, overwrite: bool) -> None:
-    if TMP_SUFFIX in path.name:
-        raise ValueError(
-            f"{path}: a checkpoint path may not contain {TMP_SUFFIX!r}; "
-            "orbax uses it for unfinished saves."
-        )
+    """Refuse temporary names and (without ``overwrite``) existing checkpoints.
+
+    An interrupted overwrite is finished first: a committed checkpoint it
+    left beside ``path`` is moved to ``path``, and its other leftovers removed.
+    """
+    for suffix in (TMP_SUFFIX, NEW_SUFFIX, OLD_SUFFIX):
+        if suffix in path.name:
+            raise ValueError(
+                f"{path}: a checkpoint path may not contain {suffix!r}; lwjax and orbax use it "
+                "for unfinished saves."
+            )
+    resolved = _resolved(path)
+    if resolved != path and jax.process_index() == 0:
+        resolved.rename(path)
+    _sync("lwjax_checkpoint_recover")
+    for suffix in (NEW_SUFFIX, OLD_SUFFIX):
+        _remove(_sibling(path, suffix))
     if path.exists() and not overwrite:
         raise ValueError(
             f"{path}: already exists; pass overwrite=True (--overwrite) to replace it."
@@ -188,7 +211,8 @@ def save_logical(
       step: Training step to record; defaults to ``logical.count``.
       metadata: JSON-serialisable extra record (e.g. where a conversion came from).
       async_save: Return while orbax writes in the background.
-      overwrite: Replace an existing checkpoint at ``path``.
+      overwrite: Replace an existing checkpoint at ``path``; it stays there
+        until the new one has committed (see the module docstring).
       matrix_convention: How the saved 2-D parameters are stored (``"in_out"``
         or ``"out_in"``, :class:`~lwjax.optimizer.OptimizerConfig`); a restore
         into an optimizer of the other convention is refused.
@@ -214,16 +238,82 @@ def save_logical(
         "metadata": dict(metadata or {}),
     }
     json.dumps(record)  # fail before writing anything if metadata is not JSON
+    # An overwrite writes beside the old checkpoint and swaps the new one in once committed.
+    written = _sibling(path, NEW_SUFFIX) if path.exists() else path
+    if written != path:
+        _remove(written)
+    checkpointer = _write(written, arrays, record, async_save)
+    if async_save:
+        return AsyncSave(checkpointer, path, written)
+    if written != path:
+        _swap_in(written, path)
+    return None
+
+
+def _write(path: epath.Path, arrays: Mapping[str, Any], record: Mapping, async_save: bool):
+    """Start orbax's save of the arrays and the record to the new ``path``; the checkpointer."""
     ocp = _ocp()
     handler = ocp.CompositeCheckpointHandler()
     checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
     args = ocp.args.Composite(
         **{ARRAYS_ITEM: ocp.args.StandardSave(arrays), RECORD_ITEM: ocp.args.JsonSave(record)}
     )
-    checkpointer.save(path, args, force=overwrite)
-    if async_save:
-        return AsyncSave(checkpointer, path)
-    return None
+    checkpointer.save(path, args)
+    return checkpointer
+
+
+def _sibling(path: epath.Path, suffix: str) -> epath.Path:
+    return path.parent / (path.name + suffix)
+
+
+def _remove(path: epath.Path) -> None:
+    """Delete a directory tree (on the first process of a multi-process job), if it exists."""
+    if jax.process_index() == 0 and path.exists():
+        path.rmtree()
+    _sync("lwjax_checkpoint_remove")
+
+
+def _swap_in(new: epath.Path, path: epath.Path) -> None:
+    """Replace the checkpoint at ``path`` by the committed one at ``new``.
+
+    Two renames with the old checkpoint set aside in between, so ``path``
+    holds a complete checkpoint before, after, and (through
+    :func:`_resolved`) between them.
+    """
+    old = _sibling(path, OLD_SUFFIX)
+    _remove(old)
+    if jax.process_index() == 0:
+        path.rename(old)
+        new.rename(path)
+    _sync("lwjax_checkpoint_swap")
+    _remove(old)
+
+
+def _sync(name: str) -> None:
+    """A barrier over the job's processes (nothing to wait for in one process)."""
+    if jax.process_count() > 1:
+        _ocp().multihost.sync_global_processes(name)
+
+
+def _is_committed(path: epath.Path) -> bool:
+    """Whether ``path`` is a checkpoint orbax finished writing (committed metadata)."""
+    try:
+        meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(meta, Mapping) and meta.get("commit_timestamp_nsecs") is not None
+
+
+def _resolved(path: epath.Path) -> epath.Path:
+    """``path``, or, where an overwrite was interrupted between its two renames, the
+    committed checkpoint it left beside: the new one if it committed, else the old one."""
+    if path.exists():
+        return path
+    for suffix in (NEW_SUFFIX, OLD_SUFFIX):
+        candidate = _sibling(path, suffix)
+        if _is_committed(candidate):
+            return candidate
+    return path
 
 
 def save(
@@ -250,8 +340,10 @@ def save(
       optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` that owns ``state``.
       step: Training step to record; defaults to ``state.count``.
       metadata: JSON-serialisable extra record.
-      async_save: Return an :class:`AsyncSave` while writing in the background.
-      overwrite: Replace an existing checkpoint at ``path``.
+      async_save: Return an :class:`AsyncSave` while writing in the background
+        (an overwrite is swapped in by :meth:`AsyncSave.wait`).
+      overwrite: Replace an existing checkpoint at ``path``; it stays there
+        until the new one has committed (see the module docstring).
 
     Returns:
       An :class:`AsyncSave` when ``async_save``, else ``None`` once committed.
@@ -278,8 +370,12 @@ def save(
 
 
 def _checked_path(path) -> epath.Path:
-    """The checkpoint directory, after refusing missing, temporary and uncommitted ones."""
-    path = _as_path(path)
+    """The checkpoint directory, after refusing missing, temporary and uncommitted ones.
+
+    Where an overwrite was interrupted between its renames, the committed
+    checkpoint it left beside ``path`` (:func:`_resolved`).
+    """
+    path = _resolved(_as_path(path))
     if TMP_SUFFIX in path.name:
         raise ValueError(
             f"{path}: an unfinished save (orbax temporary directory); it cannot be restored."
@@ -296,12 +392,11 @@ def _checked_path(path) -> epath.Path:
                 "restore an earlier checkpoint."
             )
         raise ValueError(f"{path}: no such checkpoint.")
-    meta = path / "_CHECKPOINT_METADATA"
-    try:
-        committed = json.loads(meta.read_text()).get("commit_timestamp_nsecs") is not None
-    except (OSError, json.JSONDecodeError, AttributeError):
-        committed = False
-    if not committed or not (path / RECORD_ITEM).is_dir() or not (path / ARRAYS_ITEM).is_dir():
+    if (
+        not _is_committed(path)
+        or not (path / RECORD_ITEM).is_dir()
+        or not (path / ARRAYS_ITEM).is_dir()
+    ):
         raise ValueError(
             f"{path}: not a complete lwjax checkpoint (no committed orbax metadata, "
             f"{RECORD_ITEM}/ or {ARRAYS_ITEM}/)."

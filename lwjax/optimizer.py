@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -95,14 +97,35 @@ class OptimizerConfig:
                 "OptimizerConfig.matrix_convention must be 'in_out' or 'out_in'; "
                 f"got {self.matrix_convention!r}."
             )
-        if self.clip_grad is not None and self.clip_grad < 0:
+        if self.clip_grad is not None and not _finite_at_least_zero(self.clip_grad):
             raise ValueError(
-                f"OptimizerConfig.clip_grad must be >= 0 or None; got {self.clip_grad!r}."
+                f"OptimizerConfig.clip_grad must be a finite number >= 0 or None; "
+                f"got {self.clip_grad!r}."
             )
-        if self.weight_decay < 0:
+        if not _finite_at_least_zero(self.weight_decay):
             raise ValueError(
-                f"OptimizerConfig.weight_decay must be >= 0; got {self.weight_decay!r}."
+                f"OptimizerConfig.weight_decay must be a finite number >= 0; "
+                f"got {self.weight_decay!r}."
             )
+        try:
+            floating = jnp.issubdtype(jnp.dtype(self.master_dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(
+                "OptimizerConfig.master_dtype must be a floating dtype such as 'float32'; "
+                f"got {self.master_dtype!r}."
+            )
+
+
+def _finite_at_least_zero(value) -> bool:
+    """A real number (not a bool), finite and >= 0."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
@@ -254,8 +277,9 @@ def layerwise_muon(
       A :class:`LayerwiseOptimizer`.
 
     Raises:
-      ValueError: ``axis`` or ``expert_axis`` not in the mesh, or a
-        routing/layout rule broken.
+      ValueError: ``axis`` or ``expert_axis`` not in the mesh, a learning rate
+        that is not a finite number >= 0 (a schedule is checked at each step:
+        a non-finite value skips the step), or a routing/layout rule broken.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -268,6 +292,14 @@ def layerwise_muon(
       >>> int(state.count)
       0
     """
+    for name, value in (
+        ("learning_rate", learning_rate),
+        ("adam_learning_rate", adam_learning_rate),
+    ):
+        if value is not None and not callable(value) and not _finite_at_least_zero(value):
+            raise ValueError(
+                f"layerwise_muon: {name} must be a finite number >= 0 or a schedule; got {value!r}."
+            )
     axes = _mesh_axes(mesh, axis, expert_axis)
     plan = plan_step(
         plan_params(

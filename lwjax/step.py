@@ -13,7 +13,7 @@ One step (:func:`update`):
 3. one ``psum`` of a few per-device sums gives the gradient norm of each norm
    group (each element lives in one shard, so nothing is counted twice), the
    clip coefficients :math:`c = \min(1, \text{clip} / (\lVert g \rVert + 10^{-6}))`
-   and the zero count;
+   and the zero count (a non-finite norm or scheduled learning rate skips the step);
 4. update the owned shards: Muon on the owned matrices, one batched call per
    slot group (:func:`~lwjax.muon.muon_polar`, then
    :func:`~lwjax.muon.apply_polar`), the elementwise transform plus decoupled
@@ -118,7 +118,9 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: boo
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over all data-parallel devices.
-    stats = grad_statistics(plan, grad_shards, ranks)
+    stats = with_learning_rates_checked(
+        plan, grad_statistics(plan, grad_shards, ranks), state.count
+    )
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
     new = update_and_gather(plan, state, grad_shards, ranks, stats)
     # 6. The gathered buckets unpacked into parameters.
@@ -199,6 +201,16 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     norms = jnp.sqrt(sums)
     finite = jnp.all(jnp.isfinite(norms))
     return GradStats(norms, _clip_coefficients(norms, plan.config.clip_grad), zeros, finite, groups)
+
+
+def with_learning_rates_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -> GradStats:
+    """``stats`` with the step also skipped where a scheduled learning rate is not finite.
+
+    A NaN or infinite learning rate would make every updated master non-finite;
+    like a non-finite gradient, it keeps the old state instead.
+    """
+    lrs = jnp.stack([plan.learning_rate(count), plan.adam_learning_rate(count)])
+    return stats._replace(finite=stats.finite & jnp.all(jnp.isfinite(lrs)))
 
 
 def _clip_coefficients(norms: jax.Array, clip_grad: float | None) -> jax.Array:

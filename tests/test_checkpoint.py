@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -280,3 +281,62 @@ def test_fingerprints_agree_between_numpy_and_sharded_jax():
     assert checkpoint.fingerprints(flipped)["f32"] != checkpoint.fingerprints(arrays)["f32"]
     swapped = dict(arrays, i32=arrays["i32"][::-1].copy())
     assert checkpoint.fingerprints(swapped)["i32"] != checkpoint.fingerprints(arrays)["i32"]
+
+
+class _Crash(BaseException):
+    """Stands in for the process dying (not an Exception, so nothing on the way catches it)."""
+
+
+def _crash_at(monkeypatch, phase: str):
+    """Make an overwrite die at one phase: writing the new checkpoint, either rename of the
+    swap, or removing the old checkpoint afterwards."""
+    real_write, real_remove = checkpoint._write, checkpoint._remove
+    rename = type(epath.Path("/"))
+    real_rename = rename.rename
+    renames = []
+
+    def write(path, *args):
+        if phase == "write":  # a part-written new checkpoint, then death
+            (path.parent / (path.name + checkpoint.TMP_SUFFIX)).mkdir(parents=True)
+            raise _Crash
+        return real_write(path, *args)
+
+    def crash_rename(self, target):
+        if checkpoint.TMP_SUFFIX not in self.name:  # the swap's, not orbax's own commit
+            renames.append(target)
+            if phase == f"rename{len(renames)}":
+                raise _Crash
+        return real_rename(self, target)
+
+    def remove(path):
+        if phase == "cleanup" and renames:
+            raise _Crash
+        return real_remove(path)
+
+    monkeypatch.setattr(checkpoint, "_write", write)
+    monkeypatch.setattr(rename, "rename", crash_rename)
+    monkeypatch.setattr(checkpoint, "_remove", remove)
+
+
+@pytest.mark.parametrize("phase", ["write", "rename1", "rename2", "cleanup"])
+def test_overwrite_killed_at_any_phase_leaves_a_complete_checkpoint(tmp_path, monkeypatch, phase):
+    """Old or new, a complete checkpoint restores at the path; the next save tidies up."""
+    params, batch = _setup()
+    opt = _optimizer(params, 2, "lpt")
+    path = tmp_path / "ckpt"
+    p, s = _train(opt, params, opt.init(params), batch, 1)
+    checkpoint.save(path, p, s, opt, step=1)
+    p2, s2 = _train(opt, p, s, batch, 1)
+    with monkeypatch.context() as patch:
+        _crash_at(patch, phase)
+        with pytest.raises(_Crash):
+            checkpoint.save(path, p2, s2, opt, step=2, overwrite=True)
+    step = checkpoint.read_record(path)["step"]
+    assert step == (1 if phase in ("write", "rename1") else 2)
+    restored, _ = checkpoint.restore(path, opt)
+    want = p if step == 1 else p2
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    checkpoint.save(path, p2, s2, opt, step=3, overwrite=True)
+    assert checkpoint.read_record(path)["step"] == 3
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt"]  # no leftovers

@@ -183,3 +183,34 @@ def test_torch_and_numpy_readers_agree_bit_for_bit():
         for kind in ("model", "masters", "momentum", "exp_avg", "exp_avg_sq", "hyperparameters"):
             assert_same(getattr(a, kind), getattr(b, kind), f"{name}.{kind}")
         assert (a.iteration, a.adam_step) == (b.iteration, b.adam_step)
+
+
+@pytest.mark.parametrize(
+    "fixture, damage, match",
+    [
+        (
+            "legacy_muon",
+            "empty",
+            "layer_wise_optimizer_0.pt: no optimizer state.*layer_wise_optimizer",
+        ),
+        ("legacy_adam", "missing", "distrib_optim.pt: no optimizer state.*param groups"),
+    ],
+    ids=["empty_layer_wise_file", "missing_distrib_optim"],
+)
+def test_lost_optimizer_state_is_an_error_unless_weights_only(tmp_path, fixture, damage, match):
+    """A legacy checkpoint saved with an optimizer whose state file is gone or empty does not
+    convert silently to fresh state; --weights-only says that is what is wanted."""
+    import torch  # the test extra has it; the readers under test do not use it
+    shutil.copytree(FIXTURES / fixture, tmp_path / fixture)
+    (rank_dir,) = (tmp_path / fixture).glob("iter_*/mp_rank_00")
+    if damage == "empty":
+        torch.save({}, rank_dir / "layer_wise_optimizer_0.pt")
+    else:
+        (rank_dir / "distrib_optim.pt").unlink()
+    with pytest.raises(ValueError, match=match):
+        read_megatron(tmp_path / fixture)
+    state = read_megatron(tmp_path / fixture, weights_only=True)
+    assert state.model and not state.masters and not state.exp_avg
+    whole = read_megatron(FIXTURES / fixture)
+    for key, weight in whole.model.items():
+        np.testing.assert_array_equal(state.model[key], weight)

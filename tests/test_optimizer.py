@@ -664,3 +664,62 @@ def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
     assert bool(metrics["skipped"])
     for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
         assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"learning_rate": float("nan")}, "learning_rate must be a finite number >= 0"),
+        ({"adam_learning_rate": -1.0}, "adam_learning_rate must be a finite number >= 0"),
+        ({"config": "master_int8"}, "master_dtype must be a floating dtype"),
+        ({"config": "decay_nan"}, "weight_decay must be a finite number >= 0"),
+        ({"config": "clip_inf"}, "clip_grad must be a finite number >= 0 or None"),
+    ],
+    ids=["nan_lr", "negative_adam_lr", "int8_masters", "nan_decay", "inf_clip"],
+)
+def test_bad_hyper_parameters_are_refused_at_construction(kwargs, match):
+    configs = {
+        "master_int8": dict(master_dtype="int8"),
+        "decay_nan": dict(weight_decay=float("nan")),
+        "clip_inf": dict(clip_grad=float("inf")),
+    }
+    with pytest.raises(ValueError, match=match):
+        if "config" in kwargs:
+            OptimizerConfig(**configs[kwargs["config"]])
+        else:
+            layerwise_muon({"w": jnp.ones((4, 4))}, mesh_of(1), **kwargs)
+
+
+@pytest.mark.parametrize("pipeline_muon", [False, True])
+def test_a_non_finite_scheduled_learning_rate_skips_the_step(pipeline_muon):
+    """A schedule that returns NaN at count 1 leaves the state as it was: the count does not
+    advance on a skipped step (Megatron's scheduler does not either), so it stays skipped."""
+    params = toy_params()
+    grads = random_grads(params, 2, steps=3, seed=2)
+    schedule = lambda count: jnp.where(count == 1, jnp.nan, 0.01)  # noqa: E731
+    opt = layerwise_muon(
+        params,
+        mesh_of(2),
+        learning_rate=schedule,
+        config=OptimizerConfig(pipeline_muon=pipeline_muon),
+    )
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s, p: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p),
+            mesh=opt.mesh,
+            in_specs=(P("dp"), opt.state_specs, P()),
+            out_specs=(P(), opt.state_specs, P()),
+            check_vma=False,
+        )
+    )
+    state, p = opt.init(params), params
+    history = []
+    for device_grads in grads:
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *device_grads)
+        p, state, metrics = step(stacked, state, p)
+        history.append((bool(metrics["skipped"]), int(state.count), p))
+    assert [h[:2] for h in history] == [(False, 1), (True, 1), (True, 1)]
+    for later in history[1:]:
+        for a, b in zip(jax.tree.leaves(later[2]), jax.tree.leaves(history[0][2])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state))

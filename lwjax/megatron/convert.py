@@ -531,6 +531,8 @@ class ConvertConfig:
       num_attention_heads: For checkpoints whose args lack it.
       num_query_groups: For checkpoints whose args lack it.
       overwrite: Replace an existing output.
+      weights_only: Take a Megatron checkpoint's model weights alone (fresh
+        optimizer state in the output), e.g. when its optimizer file is lost.
     """
 
     src: str
@@ -541,6 +543,7 @@ class ConvertConfig:
     num_attention_heads: int | None = None
     num_query_groups: int | None = None
     overwrite: bool = False
+    weights_only: bool = False
 
     def __post_init__(self):
         if self.to is not None and self.to not in TARGETS:
@@ -668,7 +671,12 @@ def convert(
     report("reading", 0, total)
     gpt = None
     if source == "megatron":
-        state = read_megatron(config.src, iteration=config.iteration, reader=config.reader)
+        state = read_megatron(
+            config.src,
+            iteration=config.iteration,
+            reader=config.reader,
+            weights_only=config.weights_only,
+        )
     else:
         from lwjax.checkpoint import load_arrays
 

@@ -519,7 +519,27 @@ def _name_children(
     return out
 
 
-def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
+# Megatron-LM's --optimizer values of the layer-wise distributed optimizer.
+LAYER_WISE_OPTIMIZERS = ("dist_muon",)
+
+
+def _expected_optimizer_state(main: Mapping, args: Mapping, layer_wise_files: bool) -> str | None:
+    """Why a legacy checkpoint must hold optimizer state, or ``None`` where it need not."""
+    if layer_wise_files:
+        return "the checkpoint has layer_wise_optimizer_<dp>.pt files"
+    if _param_groups(main.get("optimizer")):
+        return (
+            "model_optim_rng.pt holds the optimizer's param groups without per-parameter state "
+            "(a distributed optimizer keeps it in another file)"
+        )
+    if args.get("use_distributed_optimizer"):
+        return "model_optim_rng.pt's args say use_distributed_optimizer=True"
+    if args.get("optimizer") in LAYER_WISE_OPTIMIZERS:
+        return f"model_optim_rng.pt's args say optimizer={args.get('optimizer')!r}"
+    return None
+
+
+def _read_legacy(directory: pathlib.Path, reader: Reader, weights_only: bool = False) -> dict:
     load = load_torch_file if reader == "numpy" else (lambda p: torch_load(str(p), where=str(p)))
     rank_dirs = {}
     for path in sorted(directory.iterdir()):
@@ -566,6 +586,10 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
     steps: list[int] = []
     lw_files = sorted(rank_dirs[0].glob("layer_wise_optimizer_*.pt"))
     distrib = [rank_dirs[r] / "distrib_optim.pt" for r in range(tp)]
+    if weights_only:
+        source["optimizer_sharding"] = None
+        return {**state, "common": main[0], "args": args, "groups": [], "source": source,
+                "iteration": main[0].get("iteration")}  # fmt: skip
     if lw_files or not all(p.exists() for p in distrib):
         dp = len(lw_files) or 1
         collected: dict[str, dict[tuple, list]] = {
@@ -578,6 +602,14 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
                 path = rank_dirs[r] / name
                 children = _children_of(load(path) if lw_files else main[r].get("optimizer"))
                 if not children:
+                    expected = _expected_optimizer_state(main[r], args, bool(lw_files))
+                    if expected and not weights_only:
+                        raise ValueError(
+                            f"{path if lw_files else rank_dirs[r] / 'distrib_optim.pt'}: no "
+                            f"optimizer state (the file is missing or empty), but {expected}. "
+                            "Convert the weights alone with --weights-only (fresh optimizer "
+                            "state) if that is what you want."
+                        )
                     return {
                         **state,
                         "common": main[0],
@@ -640,7 +672,12 @@ def _read_legacy(directory: pathlib.Path, reader: Reader) -> dict:
 
 
 def read_megatron(
-    path, *, iteration: int | None = None, reader: Reader = "numpy", verify: bool = True
+    path,
+    *,
+    iteration: int | None = None,
+    reader: Reader = "numpy",
+    verify: bool = True,
+    weights_only: bool = False,
 ) -> MegatronState:
     """Read a Megatron-Core GPT checkpoint into a :class:`MegatronState`.
 
@@ -651,6 +688,9 @@ def read_megatron(
       reader: ``"numpy"`` (no torch; restricted unpickler) or ``"torch"``
         (torch's loaders; trusted files only). Both give identical arrays.
       verify: Check that every fp32 master rounds to its stored model weight.
+      weights_only: Read the model weights alone, without optimizer state.
+        Otherwise a legacy checkpoint whose optimizer file is missing or empty
+        although its args or files say it was saved with one is an error.
 
     Returns:
       The global per-parameter state.
@@ -664,8 +704,10 @@ def read_megatron(
     directory = locate_iteration(path, iteration)
     if (directory / ".metadata").exists():
         state = _read_torch_dist(directory, reader)
+        if weights_only:
+            state.update(masters={}, momentum={}, exp_avg={}, exp_avg_sq={}, groups=[], steps=[])
     else:
-        state = _read_legacy(directory, reader)
+        state = _read_legacy(directory, reader, weights_only)
     if not state["model"]:
         raise ValueError(f"{directory}: the checkpoint holds no model weights.")
     for key, weight in state["model"].items():

@@ -25,6 +25,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         overwrite=args.overwrite,
+        weights_only=args.weights_only,
     )
     if args.json:
         print_json(convert_json(convert(config)))
@@ -66,6 +67,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--iteration", type=int, default=None, help="Megatron iteration (default: the latest)"
+    )
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="take a Megatron checkpoint's model weights alone; the output gets fresh optimizer "
+        "state (without it, a checkpoint whose optimizer file is missing or empty is an error)",
     )
     p.add_argument(
         "--num-attention-heads",
