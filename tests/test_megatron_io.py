@@ -201,6 +201,7 @@ def test_lost_optimizer_state_is_an_error_unless_weights_only(tmp_path, fixture,
     """A legacy checkpoint saved with an optimizer whose state file is gone or empty does not
     convert silently to fresh state; --weights-only says that is what is wanted."""
     import torch  # the test extra has it; the readers under test do not use it
+
     shutil.copytree(FIXTURES / fixture, tmp_path / fixture)
     (rank_dir,) = (tmp_path / fixture).glob("iter_*/mp_rank_00")
     if damage == "empty":
@@ -214,3 +215,35 @@ def test_lost_optimizer_state_is_an_error_unless_weights_only(tmp_path, fixture,
     whole = read_megatron(FIXTURES / fixture)
     for key, weight in whole.model.items():
         np.testing.assert_array_equal(state.model[key], weight)
+
+
+@pytest.mark.parametrize("trap", ["fifo", "dev_zero", "outside"])
+def test_storage_files_must_be_regular_files_inside_the_checkpoint(tmp_path, trap):
+    """A FIFO would hang the reader and /dev/zero never end; a symlink may not leave the
+    checkpoint directory. Each is refused by name before it is opened."""
+    shutil.copytree(FIXTURES / "muonL_ws1", tmp_path / "ckpt")
+    (iteration,) = (tmp_path / "ckpt").glob("iter_*")
+    storage = sorted(iteration.glob("*.distcp"))[0]
+    storage.unlink()
+    if trap == "fifo":
+        os.mkfifo(storage)
+        match = "not a regular file"
+    elif trap == "dev_zero":
+        storage.symlink_to("/dev/zero")
+        match = "a symlink out of the checkpoint directory"
+    else:
+        outside = tmp_path / "elsewhere.distcp"
+        shutil.copy(sorted((FIXTURES / "muonL_ws1").glob("iter_*/*.distcp"))[0], outside)
+        storage.symlink_to(outside)
+        match = "a symlink out of the checkpoint directory"
+    with pytest.raises(ValueError, match=f"{storage.name}: .*{match}"):
+        read_megatron(tmp_path / "ckpt")
+
+
+def test_a_bad_iteration_tracker_is_named(tmp_path):
+    shutil.copytree(FIXTURES / "muonL_ws1", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("abc\n")
+    with pytest.raises(
+        ValueError, match="latest_checkpointed_iteration.txt: expected an iteration"
+    ):
+        read_megatron(tmp_path / "ckpt")

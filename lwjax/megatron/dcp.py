@@ -28,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from lwjax.megatron.pickle_io import TORCH_DTYPES, Opaque, load_torch_archive, loads
+from lwjax.megatron.pickle_io import (
+    TORCH_DTYPES,
+    Opaque,
+    load_torch_archive,
+    loads,
+    open_checkpoint_file,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +98,13 @@ def read_dcp_index(directory) -> DcpIndex:
     """
     directory = pathlib.Path(directory)
     meta_path = directory / ".metadata"
-    try:
-        raw = meta_path.read_bytes()
-    except OSError as err:
-        raise ValueError(f"{meta_path}: cannot read DCP metadata: {err.strerror or err}") from None
+    with open_checkpoint_file(meta_path, directory, "DCP metadata") as f:
+        try:
+            raw = f.read()
+        except OSError as err:
+            raise ValueError(
+                f"{meta_path}: cannot read DCP metadata: {err.strerror or err}"
+            ) from None
     meta = loads(raw, where=str(meta_path))
     try:
         entries = meta.state_dict_metadata
@@ -154,12 +163,7 @@ class _Files:
                 f"{self.directory}: {what}: storage file {name!r} is outside the checkpoint."
             )
         if name not in self.handles:
-            try:
-                self.handles[name] = open(self.directory / name, "rb")
-            except OSError as err:
-                raise ValueError(
-                    f"{self.directory / name}: {what}: cannot open: {err.strerror or err}"
-                ) from None
+            self.handles[name] = open_checkpoint_file(self.directory / name, self.directory, what)
         f = self.handles[name]
         f.seek(start)
         data = f.read(length)

@@ -29,7 +29,10 @@ import argparse
 import codecs
 import collections
 import io
+import os
+import pathlib
 import pickle
+import stat
 import zipfile
 from typing import Any
 
@@ -402,12 +405,37 @@ def load_torch_archive(data: bytes | io.IOBase, *, where: str = "archive") -> An
             raise ValueError(f"{where}: cannot unpickle: {err}") from None
 
 
-def load_torch_file(path) -> Any:
-    """Load a ``torch.save`` file (e.g. ``model_optim_rng.pt``) without torch;
-    see :func:`load_torch_archive`.
+def open_checkpoint_file(path, root=None, what: str = ""):
+    """Open a checkpoint file for reading, after checking it is a regular file inside ``root``.
+
+    A FIFO would block the reader forever and a device (``/dev/zero``) read
+    without end, so anything but a regular file is refused before it is
+    opened; so is a symlink that leads out of the checkpoint directory ``root``.
+
+    Raises:
+      ValueError: naming the file (and ``what`` needed it) and the rule it
+        breaks, or why it cannot be opened.
     """
+    path = pathlib.Path(path)
+    where = f"{path}: {what}: " if what else f"{path}: "
     try:
-        with open(path, "rb") as f:
-            return load_torch_archive(f, where=str(path))
+        if root is not None and path.is_symlink():
+            target, inside = path.resolve(), pathlib.Path(root).resolve()
+            if not target.is_relative_to(inside):
+                raise ValueError(f"{where}a symlink out of the checkpoint directory ({target}).")
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{where}not a regular file (a directory, FIFO or device).")
+        return open(path, "rb")
     except OSError as err:
-        raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
+        raise ValueError(f"{where}cannot open: {err.strerror or err}") from None
+
+
+def load_torch_file(path, root=None) -> Any:
+    """Load a ``torch.save`` file (e.g. ``model_optim_rng.pt``) without torch;
+    see :func:`load_torch_archive` and :func:`open_checkpoint_file` (``root``).
+    """
+    with open_checkpoint_file(path, root) as f:
+        try:
+            return load_torch_archive(f, where=str(path))
+        except OSError as err:
+            raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None

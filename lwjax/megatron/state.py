@@ -41,7 +41,7 @@ from lwjax.elementwise_layout import compute_distributed_optimizer_layout
 from lwjax.layout import ParamSpec
 from lwjax.megatron import names as names_lib
 from lwjax.megatron.dcp import load_dcp, load_dcp_torch, torch_load
-from lwjax.megatron.pickle_io import TORCH_DTYPES, load_torch_file
+from lwjax.megatron.pickle_io import TORCH_DTYPES, load_torch_file, open_checkpoint_file
 from lwjax.megatron.ping_pong import ping_pong_ownership
 from lwjax.routing import is_embedding_or_output
 
@@ -124,7 +124,12 @@ def locate_iteration(path, iteration: int | None = None) -> pathlib.Path:
         return found
     tracker = path / "latest_checkpointed_iteration.txt"
     if tracker.exists():
-        text = tracker.read_text().strip()
+        with open_checkpoint_file(tracker, path) as f:
+            text = f.read(64).decode("ascii", "replace").strip()
+        if text and text != "release" and not text.isdigit():
+            raise ValueError(
+                f"{tracker}: expected an iteration number or 'release'; got {text[:32]!r}."
+            )
         found = (
             path / ("release" if text == "release" else f"iter_{int(text):07d}") if text else None
         )
@@ -370,7 +375,9 @@ def _read_torch_dist(directory: pathlib.Path, reader: Reader) -> dict:
     elif (directory / "common.pt").exists():
         path = directory / "common.pt"
         common = (
-            load_torch_file(path) if reader == "numpy" else torch_load(str(path), where=str(path))
+            load_torch_file(path, directory)
+            if reader == "numpy"
+            else torch_load(str(path), where=str(path))
         )
     else:
         common = {}
@@ -540,7 +547,11 @@ def _expected_optimizer_state(main: Mapping, args: Mapping, layer_wise_files: bo
 
 
 def _read_legacy(directory: pathlib.Path, reader: Reader, weights_only: bool = False) -> dict:
-    load = load_torch_file if reader == "numpy" else (lambda p: torch_load(str(p), where=str(p)))
+    load = (
+        (lambda p: load_torch_file(p, directory))
+        if reader == "numpy"
+        else (lambda p: torch_load(str(p), where=str(p)))
+    )
     rank_dirs = {}
     for path in sorted(directory.iterdir()):
         if (m := _RANK_DIR_RE.match(path.name)) is not None:
