@@ -247,3 +247,20 @@ def test_a_bad_iteration_tracker_is_named(tmp_path):
         ValueError, match="latest_checkpointed_iteration.txt: expected an iteration"
     ):
         read_megatron(tmp_path / "ckpt")
+
+
+def test_torch_reader_refuses_a_metadata_file_that_would_run_code(tmp_path):
+    """torch's DCP reader unpickles .metadata with plain pickle; lwjax's restricted unpickler
+    reads it first, so a payload never reaches torch."""
+    shutil.copytree(FIXTURES / "muonL_ws1", tmp_path / "ckpt")
+    (iteration,) = (tmp_path / "ckpt").glob("iter_*")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (iteration / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ValueError, match=r"\.metadata"):
+        read_megatron(tmp_path / "ckpt", reader="torch")
+    assert not marker.exists()

@@ -320,8 +320,11 @@ def torch_load(source, *, where: str):
 def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
     """Load a DCP checkpoint through torch (``dcp.load``); same output as :func:`load_dcp`.
 
-    Torch reads ``.metadata`` with a plain ``pickle.load``: use this reader on
-    trusted checkpoints only. Byte entries are read with ``torch.load(weights_only=True)``.
+    Torch reads ``.metadata`` with a plain ``pickle.load``, which runs whatever
+    code a crafted file names; so the file is first read with lwjax's
+    restricted unpickler (:func:`read_dcp_index`), which refuses anything but
+    the metadata's own classes, and torch only reads a file that passed. Byte
+    entries are read with ``torch.load(weights_only=True)``.
     """
     import io
     import warnings
@@ -333,6 +336,7 @@ def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     directory = pathlib.Path(directory)
+    read_dcp_index(directory)  # refuses a .metadata that would run code in torch's pickle.load
     reader = FileSystemReader(str(directory))
     meta = reader.read_metadata()
     wanted = None if keys is None else set(keys)

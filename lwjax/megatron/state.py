@@ -697,7 +697,8 @@ def read_megatron(
         or one iteration directory.
       iteration: Which iteration; defaults to the latest.
       reader: ``"numpy"`` (no torch; restricted unpickler) or ``"torch"``
-        (torch's loaders; trusted files only). Both give identical arrays.
+        (torch's loaders, after ``.metadata`` passed the restricted unpickler
+        and with ``torch.load(weights_only=True)``). Both give identical arrays.
       verify: Check that every fp32 master rounds to its stored model weight.
       weights_only: Read the model weights alone, without optimizer state.
         Otherwise a legacy checkpoint whose optimizer file is missing or empty
