@@ -264,3 +264,23 @@ def test_torch_reader_refuses_a_metadata_file_that_would_run_code(tmp_path):
     with pytest.raises(ValueError, match=r"\.metadata"):
         read_megatron(tmp_path / "ckpt", reader="torch")
     assert not marker.exists()
+
+
+def test_a_pickle_cannot_change_an_allowed_class_or_function_for_the_process():
+    """BUILD on the allow-listed argparse.Namespace (or a rebuild function) sets attributes
+    on a copy private to that load, not on the class the rest of the process uses."""
+    import argparse
+
+    hostile = (
+        b"\x80\x02cargparse\nNamespace\n"  # the class object itself
+        b"(N}q\x00X\x08\x00\x00\x00__init__q\x01cbuiltins\nint\nq\x02stq\x03b"  # BUILD slots
+        b"cpathlib\nPosixPath\n(N}X\x0c\x00\x00\x00__defaults__(X\x01\x00\x00\x00xtstb"
+        b"0."
+    )
+    try:
+        loads(hostile, where="hostile")
+    except ValueError:
+        pass  # refusing it outright is fine too; what matters is the process is unchanged
+    assert argparse.Namespace.__init__ is not int
+    assert argparse.ArgumentParser().parse_args([]) == argparse.Namespace()
+    assert pickle_io._path_string.__defaults__ is None

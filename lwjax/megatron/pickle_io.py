@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import codecs
 import collections
+import functools
 import io
 import os
 import pathlib
 import pickle
 import stat
+import types
 import zipfile
 from typing import Any
 
@@ -198,7 +200,12 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_):
 
 
 def _rebuild_from_type(func, new_type, args, state):
-    if func is not _rebuild_tensor:
+    if not (  # the unpickler hands out a private partial of each allow-listed function
+        isinstance(func, functools.partial)
+        and func.func is _rebuild_tensor
+        and not func.args
+        and not func.keywords
+    ):
         raise pickle.UnpicklingError("_rebuild_from_type_v2 may only wrap _rebuild_tensor_v2")
     return func(*args)
 
@@ -276,6 +283,9 @@ for _module, _names in _DCP_CLASSES.items():
         _ALLOWED[(_module, _name)] = type(_name, (Record,), {"_name": _name})
 
 
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: built-in types refuse new attributes
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """A ``pickle.Unpickler`` that resolves globals through an allow-list
     (see the module docstring).
@@ -293,10 +303,11 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._storages = storages
         self._where = where
         self._opaque: dict[str, type] = {}
+        self._private: dict[tuple[str, str], Any] = {}
 
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
+            return self._private_copy(module, name)
         if module == "torch" and name.endswith("Storage"):
             return _StorageType(_STORAGE_DTYPES.get(name, "uint8"))
         if module == "torch" and name in TORCH_DTYPES:
@@ -311,6 +322,23 @@ class RestrictedUnpickler(pickle.Unpickler):
             "a Megatron checkpoint holds only tensors, containers, argparse.Namespace and "
             "torch/Megatron classes."
         )
+
+    def _private_copy(self, module: str, name: str):
+        """The allow-listed global, or, where a pickle could change it (a Python class such as
+        ``argparse.Namespace``, a Python function), a copy private to this load.
+
+        BUILD sets attributes on whatever object it is given, the class or function of a
+        global included; on a private copy that changes nothing outside this load.
+        """
+        key = (module, name)
+        if key not in self._private:
+            target = _ALLOWED[key]
+            if isinstance(target, type) and not target.__flags__ & _IMMUTABLE_TYPE:
+                target = type(target.__name__, (target,), {"__module__": target.__module__})
+            elif isinstance(target, types.FunctionType):
+                target = functools.partial(target)
+            self._private[key] = target
+        return self._private[key]
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
