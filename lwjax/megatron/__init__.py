@@ -35,6 +35,7 @@ from lwjax.megatron.convert import megatron_to_logical as megatron_to_logical
 from lwjax.megatron.convert import save_safetensors as save_safetensors
 from lwjax.megatron.convert import save_torch_dist as save_torch_dist
 from lwjax.megatron.gpt import GPTConfig as GPTConfig
+from lwjax.megatron.pickle_io import DamagedCheckpointError as DamagedCheckpointError
 from lwjax.megatron.state import MegatronState as MegatronState
 from lwjax.megatron.state import read_megatron as read_megatron
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "ConvertConfig",
+    "DamagedCheckpointError",
     "GPTConfig",
     "MegatronImport",
     "MegatronState",

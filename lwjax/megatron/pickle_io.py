@@ -74,7 +74,18 @@ _STORAGE_DTYPES = {
 }
 # Module prefixes whose unknown classes become inert placeholders instead of errors.
 _OPAQUE_PREFIXES = ("torch", "megatron", "transformer_engine", "apex")
+
+
 # What malformed pickle bytes raise inside the unpickler; each becomes a ValueError naming the file.
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file that is damaged, hostile or beyond what the readers accept.
+
+    The one error the Megatron readers raise for bad input; its message names
+    the file (and key) and what was wrong. ``lwjax convert`` prints it as one
+    line and exits with status 2.
+    """
+
+
 UNPICKLING_ERRORS = (
     pickle.UnpicklingError,
     EOFError,

@@ -30,8 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import lzma
 import pathlib
+import pickle
 import re
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -41,7 +45,12 @@ from lwjax.elementwise_layout import compute_distributed_optimizer_layout
 from lwjax.layout import ParamSpec
 from lwjax.megatron import names as names_lib
 from lwjax.megatron.dcp import load_dcp, load_dcp_torch, torch_load
-from lwjax.megatron.pickle_io import TORCH_DTYPES, load_torch_file, open_checkpoint_file
+from lwjax.megatron.pickle_io import (
+    TORCH_DTYPES,
+    DamagedCheckpointError,
+    load_torch_file,
+    open_checkpoint_file,
+)
 from lwjax.megatron.ping_pong import ping_pong_ownership
 from lwjax.routing import is_embedding_or_output
 
@@ -682,6 +691,28 @@ def _read_legacy(directory: pathlib.Path, reader: Reader, weights_only: bool = F
     }
 
 
+# What damaged or hostile bytes make numpy, zipfile, zlib, lzma and pickle raise, besides
+# ValueError: each becomes a DamagedCheckpointError at read_megatron's boundary.
+INPUT_ERRORS = (
+    MemoryError,  # numpy's _ArrayMemoryError too
+    OverflowError,
+    OSError,
+    TypeError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    RecursionError,
+    NotImplementedError,
+    RuntimeError,
+    EOFError,
+    UnicodeError,
+    zipfile.BadZipFile,
+    zlib.error,
+    lzma.LZMAError,
+    pickle.UnpicklingError,
+)
+
+
 def read_megatron(
     path,
     *,
@@ -708,11 +739,33 @@ def read_megatron(
       The global per-parameter state.
 
     Raises:
-      ValueError: an unreadable, incomplete or inconsistent checkpoint; the
-        message names the file or key and what was expected.
+      DamagedCheckpointError: (a ``ValueError``) an unreadable, incomplete,
+        inconsistent or hostile checkpoint; the message names the file or key
+        and what was expected. No other exception escapes for bad input.
     """
     if reader not in READERS:
         raise ValueError(f"read_megatron: reader must be one of {READERS}; got {reader=}.")
+    try:
+        return _read_megatron(path, iteration, reader, verify, weights_only)
+    except DamagedCheckpointError:
+        raise
+    except ValueError as err:
+        raise DamagedCheckpointError(str(err)) from None
+    except INPUT_ERRORS as err:
+        raise DamagedCheckpointError(
+            f"{path}: damaged or hostile checkpoint ({type(err).__name__}: {err})"
+        ) from None
+    except BaseException as err:  # torch's DCP CheckpointException is a BaseException
+        if type(err).__name__ != "CheckpointException":
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DamagedCheckpointError(f"{path}: torch could not read it: {first}") from None
+
+
+def _read_megatron(
+    path, iteration: int | None, reader: Reader, verify: bool, weights_only: bool
+) -> MegatronState:
+    """:func:`read_megatron` without its error boundary."""
     directory = locate_iteration(path, iteration)
     if (directory / ".metadata").exists():
         state = _read_torch_dist(directory, reader)

@@ -1,0 +1,75 @@
+"""A bounded mutation fuzz of the torch-free Megatron readers: whatever the bytes, the only
+exception that escapes read_megatron is DamagedCheckpointError, and no input hangs.
+
+Seeds are the real fixtures (a legacy torch.save archive and a DCP .metadata plus storage).
+Each case flips, deletes, duplicates or truncates bytes of one file; the loop runs in a child
+process under a 3 GiB address-space limit (an allocation bomb becomes a MemoryError, which
+the reader must turn into its error) with a per-case alarm. Longer runs: tests/fuzz/.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
+
+CHILD = r"""
+import json, pathlib, random, resource, shutil, signal, sys, tempfile, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from lwjax.megatron import DamagedCheckpointError, read_megatron
+
+fixtures, seconds = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+seeds = [("legacy_muon", "iter_0000002/mp_rank_00/model_optim_rng.pt"),
+         ("legacy_muon", "iter_0000002/mp_rank_00/layer_wise_optimizer_0.pt"),
+         ("muonL_ws1", "iter_0000002/.metadata"),
+         ("muonL_ws1", "iter_0000002/__0_0.distcp")]
+rng = random.Random(0)
+work = pathlib.Path(tempfile.mkdtemp())
+copies = {name: shutil.copytree(fixtures / name, work / name) for name in {n for n, _ in seeds}}
+class Hang(Exception): pass
+def alarm(*_): raise Hang
+signal.signal(signal.SIGALRM, alarm)
+escaped, cases, end = {}, 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    name, rel = seeds[cases % len(seeds)]
+    original = (fixtures / name / rel).read_bytes()
+    data = bytearray(original)
+    for _ in range(rng.randint(1, 8)):
+        i = rng.randrange(len(data))
+        op = rng.random()
+        if op < 0.6:
+            data[i] = rng.randrange(256)
+        elif op < 0.8:
+            del data[i:i + rng.randint(1, 64)]
+        elif op < 0.9:
+            data[i:i] = data[i:i + rng.randint(1, 64)]
+        else:
+            del data[i:]
+    (copies[name] / rel).write_bytes(bytes(data))
+    signal.alarm(5)
+    try:
+        read_megatron(copies[name], verify=False)
+    except DamagedCheckpointError:
+        pass
+    except BaseException as err:
+        escaped.setdefault(type(err).__name__, f"{rel}: {str(err)[:200]}")
+    finally:
+        signal.alarm(0)
+        (copies[name] / rel).write_bytes(original)
+    cases += 1
+print(json.dumps({"cases": cases, "escaped": escaped}))
+"""
+
+
+def test_only_the_readers_error_escapes_mutated_fixtures():
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(FIXTURES), "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["cases"] > 50, report
+    assert report["escaped"] == {}, report
