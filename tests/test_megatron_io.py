@@ -284,3 +284,16 @@ def test_a_pickle_cannot_change_an_allowed_class_or_function_for_the_process():
     assert argparse.Namespace.__init__ is not int
     assert argparse.ArgumentParser().parse_args([]) == argparse.Namespace()
     assert pickle_io._path_string.__defaults__ is None
+
+
+def test_expanded_tensor_views_are_refused_before_they_are_copied():
+    """A 1024-element storage viewed with stride 0 as a [2**20, 1024] tensor would be copied
+    out to 4 GiB; saved tensors never repeat elements, so the view is refused first."""
+    storage = np.arange(1024, dtype=np.float32)
+    with pytest.raises(pickle.UnpicklingError, match="repeats elements"):
+        pickle_io._rebuild_tensor(storage, 0, (1 << 20, 1024), (0, 1))
+    with pytest.raises(pickle.UnpicklingError, match="repeats elements"):
+        pickle_io._rebuild_tensor(storage, 0, (1000, 2), (1, 1))
+    np.testing.assert_array_equal(
+        pickle_io._rebuild_tensor(storage, 0, (32, 32), (32, 1)), storage.reshape(32, 32)
+    )

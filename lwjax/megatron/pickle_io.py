@@ -30,6 +30,7 @@ import codecs
 import collections
 import functools
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -200,6 +201,15 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_):
         raise pickle.UnpicklingError(
             f"tensor of {size=}, {stride=} at offset {storage_offset} overruns its storage "
             f"of {storage.size} elements"
+        )
+    # A saved tensor never repeats an element: an expanded view (a stride of 0, or more elements
+    # than its storage holds) would be copied out to far more memory than the file holds.
+    if math.prod(size) > storage.size - storage_offset or any(
+        s == 0 for n, s in zip(size, stride) if n > 1
+    ):
+        raise pickle.UnpicklingError(
+            f"tensor of {size=}, {stride=} repeats elements of its storage of {storage.size} "
+            "(an expanded view); saved tensors do not"
         )
     view = np.lib.stride_tricks.as_strided(
         storage[storage_offset:],
