@@ -429,7 +429,30 @@ def read_record(path) -> dict:
             f"{path}: checkpoint format version {record.get('format_version')!r}; this lwjax reads "
             f"version {FORMAT_VERSION}."
         )
+    _check_record(record, path)
     return dict(record)
+
+
+def _check_record(record: Mapping, path: epath.Path) -> None:
+    """Refuse a record whose fields a bit flip or an edit has damaged, naming the field."""
+    arrays = record.get("arrays")
+    if not isinstance(arrays, Mapping):
+        raise ValueError(f"{path}: damaged checkpoint record: 'arrays' is not a mapping.")
+    for name, entry in arrays.items():
+        ok = (
+            isinstance(entry, Mapping)
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+            and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("fingerprint"), str)
+        )
+        if not ok:
+            raise ValueError(
+                f"{path}: damaged checkpoint record: arrays[{name!r}] needs a shape (list of "
+                f"sizes), a dtype and a fingerprint; got {entry!r}."
+            )
+    if not isinstance(record.get("step"), int) or not isinstance(record.get("routes"), list):
+        raise ValueError(f"{path}: damaged checkpoint record: 'step' or 'routes' is missing.")
 
 
 def _target(optimizer: LayerwiseOptimizer, params_like):

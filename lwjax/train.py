@@ -144,8 +144,8 @@ def make_train_step(
 
     Raises:
       ValueError: ``accumulate`` is not a positive integer; (at call time) a
-        batch leaf whose leading axis does not divide by the number of
-        data-parallel devices times ``accumulate``.
+        batch leaf whose leading axis is empty or does not divide by the
+        number of data-parallel devices times ``accumulate``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -217,9 +217,10 @@ def make_train_step(
         batch = args[int(mutable)]
         key = args[-1] if rng else None
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if not leaf.shape or leaf.shape[0] % (num_data * accumulate):
+            if not leaf.shape or not leaf.shape[0] or leaf.shape[0] % (num_data * accumulate):
                 raise ValueError(
-                    f"batch{jax.tree_util.keystr(path)}: leading axis must divide by {size_text}; "
+                    f"batch{jax.tree_util.keystr(path)}: leading axis must divide by {size_text} "
+                    f"and not be empty; "
                     f"got shape {tuple(leaf.shape)}."
                 )
         # Parameters handed in on one device are placed on the mesh first (a no-op for the

@@ -340,3 +340,16 @@ def test_overwrite_killed_at_any_phase_leaves_a_complete_checkpoint(tmp_path, mo
     checkpoint.save(path, p2, s2, opt, step=3, overwrite=True)
     assert checkpoint.read_record(path)["step"] == 3
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt"]  # no leftovers
+
+
+def test_a_damaged_record_field_is_named(tmp_path):
+    """A bit flip that renames a JSON key gives a ValueError naming the entry, not a KeyError."""
+    path, params = _saved(tmp_path)
+    record_file = next((path / checkpoint.RECORD_ITEM).rglob("*"))
+    while record_file.is_dir():
+        record_file = next(record_file.iterdir())
+    text = record_file.read_text()
+    assert '"fingerprint"' in text
+    record_file.write_text(text.replace('"fingerprint"', '"fingerprinT"', 1))
+    with pytest.raises(ValueError, match=r"damaged checkpoint record: arrays\['params/"):
+        checkpoint.restore(path, _optimizer(params, 2, "lpt"))

@@ -245,7 +245,9 @@ def test_bad_input_gets_clear_errors():
     opt = layerwise_muon(params, mesh_of(4))
     state = opt.init(params)
     train_step = make_train_step(_mlp_loss, opt)
-    with pytest.raises(ValueError, match=r"leading axis must divide by dp=4; got shape \(6, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"leading axis must divide by dp=4 and not be empty; got shape \(6, 8\)"
+    ):
         train_step(params, state, (batch[0][:6], batch[1][:6]))
     bad_grads = {"w1": params["w1"], "b1": params["b1"]}
     with pytest.raises(ValueError, match="update\\(grads\\): the tree does not match"):

@@ -175,3 +175,11 @@ def test_linen_batch_stats_and_dropout_rngs():
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.7 * losses[0], losses
     assert np.all(np.asarray(batch_stats["BatchNorm_0"]["mean"]) != 0)
+
+
+def test_an_empty_batch_is_refused():
+    params, batch = _linear_problem()
+    opt = lwjax.layerwise_muon(params, _mesh())
+    empty = (batch[0][:0], batch[1][:0])
+    with pytest.raises(ValueError, match=r"batch\[0\]: leading axis .* not be empty; got shape"):
+        lwjax.make_train_step(_mse, opt)(params, opt.init(params), empty)
