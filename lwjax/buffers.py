@@ -39,7 +39,12 @@ Buckets = tuple[jax.Array | None, ...]
 
 
 def check_tree(plan: ParamPlan, tree, what: str, *, local: bool = True) -> list:
-    """Flatten ``tree`` after checking it has the plan's structure, shapes and float dtypes.
+    """The leaves of ``tree`` in plan order, after checking paths, shapes and float dtypes.
+
+    Leaves are matched to the plan's routes by path name, so any pytree
+    classes may carry them. A ``None`` at a routed path is a placeholder
+    (kept: pack and unpack skip it where every buffer holding it is skipped);
+    a ``None`` elsewhere is no parameter (an equinox filtered tree) and is dropped.
 
     ``local``: expert leaves have their device-local shapes (inside
     ``shard_map``); else their global shapes.
@@ -48,23 +53,35 @@ def check_tree(plan: ParamPlan, tree, what: str, *, local: bool = True) -> list:
       ValueError: naming the first mismatching path and what was expected.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
-    if treedef != plan.treedef:
-        names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-        first = next(
-            (i for i, (r, n) in enumerate(zip(plan.routes, names)) if r.path != n),
-            min(len(names), len(plan.routes)),
+    if treedef == plan.treedef:  # the plan's own structure: leaves in route order
+        return _checked_leaves(plan, leaves, what, local)
+    routed = {route.path for route in plan.routes}
+    entries = [
+        (name, leaf)
+        for name, leaf in (
+            (path_name(p), x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
         )
-        expected = plan.routes[first].path if first < len(plan.routes) else "no more leaves"
-        got = names[first] if first < len(names) else "no more leaves"
-        raise ValueError(
-            f"{what}: the tree does not match the parameters: at leaf {first} expected "
-            f"{expected!r}, got {got!r}"
-            + (
-                " (same paths, different pytree node types)."
-                if first == len(names) == len(plan.routes)
-                else "."
+        if leaf is not None or name in routed
+    ]
+    for i, route in enumerate(plan.routes):
+        name = entries[i][0] if i < len(entries) else None
+        if name != route.path:
+            got = repr(name) if name is not None else "no more leaves"
+            raise ValueError(
+                f"{what}: the tree does not match the parameters: at leaf {i} expected "
+                f"{route.path!r}, got {got}."
             )
+    if len(entries) > len(plan.routes):
+        raise ValueError(
+            f"{what}: {entries[len(plan.routes)][0]!r} is not one of the {len(plan.routes)} "
+            "parameters of the plan."
         )
+    return _checked_leaves(plan, [leaf for _, leaf in entries], what, local)
+
+
+def _checked_leaves(plan: ParamPlan, leaves: list, what: str, local: bool) -> list:
+    """``leaves`` (route order), after checking each one's shape and float dtype."""
     for route, leaf in zip(plan.routes, leaves):
         if leaf is None:
             continue

@@ -40,7 +40,9 @@ Axes = tuple[int, ...]
 BATCH_AXIS_NAMES = frozenset(
     {"layers", "layer", "stage", "stages", "scan", "repeat", "experts", "expert", "exp"}
 )
-MODEL_AXIS_NAMES = frozenset({"embed", "embedding", "d_model", "model", "hidden"})
+# Not "model" or "hidden": flax examples name a tensor-parallel mesh axis "model", and "hidden"
+# is as often an MLP's width as the model's.
+MODEL_AXIS_NAMES = frozenset({"embed", "embedding", "d_model"})
 VOCAB_AXIS_NAMES = frozenset({"vocab", "vocabulary"})
 
 # Components that name an embedding table or an output head anywhere in a path ...
@@ -108,7 +110,11 @@ class MatrixDims:
                 )
             roles.append(tuple(sorted(a % ndim for a in axes)))
         reduction, output = roles
-        if set(reduction) & set(output) or len(set(reduction)) < len(reduction):
+        if (
+            set(reduction) & set(output)
+            or len(set(reduction)) < len(reduction)
+            or len(set(output)) < len(output)
+        ):
             raise ValueError(
                 f"{name}: MatrixDims uses an axis twice: reduction={reduction}, output={output}."
             )
@@ -136,6 +142,16 @@ def head_or_embedding_reason(name: str) -> str | None:
         if _GENERIC_HEAD.match(part) and not any(_BLOCK.search(p) for p in parts[:i]):
             return f"name {part!r} outside a block: embedding or head"
     return None
+
+
+def is_batch_axis_name(axis_name) -> bool:
+    """Whether a flax logical axis name indexes separate parameters (layers, experts)."""
+    return isinstance(axis_name, str) and axis_name.lower() in BATCH_AXIS_NAMES
+
+
+def is_expert_path(name: str) -> bool:
+    """Whether a parameter lives in a mixture of experts (a path part names ``expert(s)``)."""
+    return any("expert" in part for part in components(name))
 
 
 def is_bias_or_scale(name: str) -> bool:
@@ -251,7 +267,7 @@ def detect_stacks(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, in
     """
     found: dict[str, int] = {}
     for name, shape in leaves:
-        if not is_bias_or_scale(name) or len(shape) < 2 or name in found:
+        if not is_bias_or_scale(name) or len(shape) < 2:
             continue
         k = len(shape) - 1
         lead = shape[:k]
@@ -268,8 +284,8 @@ def detect_stacks(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, in
         if root is None:
             continue
         for n, _ in leaves:
-            if n.startswith(root):
-                found[n] = k
+            if n.startswith(root):  # a deeper stack (experts in scanned layers) keeps its k
+                found[n] = max(found.get(n, 0), k)
     return found
 
 

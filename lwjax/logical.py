@@ -185,12 +185,20 @@ def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> Layerw
                 optimizer.state_specs.elementwise[owners[0]][0], is_leaf=lambda x: isinstance(x, P)
             )
             logical_leaves = jax.tree.flatten(logical.elementwise, is_leaf=lambda x: x is None)[0]
+            # A parameter-shaped tree flattens to its routed leaves and the Nones of leaves that
+            # are no parameters (an equinox tree); only the routed ones are packed.
+            routed = jax.tree.flatten(
+                jax.tree.unflatten(plan.treedef, [True] * len(plan.routes)),
+                is_leaf=lambda x: x is None,
+            )[0]
             per_leaf, cursor = [], 0  # per optax-state leaf: {buffer: bucket arrays} or a scalar
             for spec in specs:
                 if _is_sharded(spec):
-                    n = len(plan.routes)
-                    tree = jax.tree.unflatten(plan.treedef, logical_leaves[cursor : cursor + n])
-                    cursor += n
+                    chunk = logical_leaves[cursor : cursor + len(routed)]
+                    tree = jax.tree.unflatten(
+                        plan.treedef, [x for x, keep in zip(chunk, routed) if keep]
+                    )
+                    cursor += len(routed)
                     leaf_dtype = next(x.dtype for x in jax.tree.leaves(tree))
                     per_leaf.append(
                         _pack_global(

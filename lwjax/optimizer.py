@@ -146,7 +146,8 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         have the paths, shapes and dtypes the optimizer was built for.
       update: ``(grads, state, params) -> (updates, state)`` on global arrays.
         For parameters narrower than fp32 the updates are fp32, so that
-        ``optax.apply_updates`` returns exactly the gathered ``bf16(master)``.
+        ``optax.apply_updates`` returns exactly the gathered ``bf16(master)``
+        (fp32 parameters: to within the rounding of ``p + (new - p)``).
       plan: The :class:`~lwjax.plan.StepPlan`: routes, layout, per-rank
         tables, bucket schedule and options.
       mesh: The device mesh.
@@ -188,6 +189,12 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         self.expert_axis, self.param_specs = expert_axis, param_specs
         return self
 
+    def __copy__(self) -> LayerwiseOptimizer:
+        return self  # immutable: a copy is the same optimizer
+
+    def __deepcopy__(self, memo) -> LayerwiseOptimizer:
+        return self
+
     def _replace(self, **changes) -> LayerwiseOptimizer:
         """A copy with fields or attributes replaced, like ``NamedTuple._replace``."""
         unknown = set(changes) - set(self._fields) - set(vars(self))
@@ -216,6 +223,17 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
     def num_data(self) -> int:
         """Number of data-parallel devices (``dp * ep``)."""
         return self.plan.axes.num_data
+
+
+def _static_optimizer(optimizer: LayerwiseOptimizer):
+    return (), optimizer
+
+
+# A pytree without leaves (it holds functions and a plan, no arrays): jax.tree.map, equinox
+# modules and nnx objects that hold one keep it as it is.
+jax.tree_util.register_pytree_node(
+    LayerwiseOptimizer, _static_optimizer, lambda optimizer, _: optimizer
+)
 
 
 def layerwise_muon(

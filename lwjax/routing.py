@@ -489,12 +489,18 @@ def _view_dims(name, shape, axis_names, is_expert, context: _Context):
     if stack is None and axis_names is not None:
         decided, found, names_why = dims_lib.dims_from_axis_names(axis_names, shape, name)
         if decided:
-            if found is None:
-                return 0, None, names_why, names_why
+            if found is None:  # no matrix; named batch axes in front still stack (no decay)
+                lead = 0
+                while lead < len(shape) - 1 and dims_lib.is_batch_axis_name(axis_names[lead]):
+                    lead += 1
+                return lead, None, names_why, names_why
             return len(found[0]), found, names_why, None
     if stack is None and name in context.stacks:
         stack = context.stacks[name]
         why = f"scanned stack of {shape[:stack]} (a stacked bias or scale in its module)"
+    if not is_expert and len(shape) - (stack or 0) >= 3 and dims_lib.is_expert_path(name):
+        stack = (stack or 0) + 1  # one matrix per expert, not all experts in one
+        why = "; ".join(w for w in (why, f"experts on axis {stack - 1} (by name)") if w)
     stack = 0 if stack is None else stack
     if not 0 <= stack < max(len(shape), 1):
         raise ValueError(f"{name}: stacked={stack} leading axes leaves no parameter; got {shape=}.")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
@@ -149,7 +149,7 @@ def make_train_step(
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from jax.sharding import Mesh
+      >>> from jax.sharding import Mesh, NamedSharding
       >>> import lwjax
       >>> params = {"w": jnp.eye(4), "b": jnp.zeros(4)}
       >>> opt = lwjax.layerwise_muon(params, Mesh(np.array(jax.devices()[:1]), ("dp",)))
@@ -204,6 +204,7 @@ def make_train_step(
         donate_argnums=(0, 1, 2) if donate else (),
     )
     param_shardings = named_shardings(mesh, param_specs)
+    replicated = NamedSharding(mesh, P())
 
     def train_step(params, state, *args):
         expected = 1 + mutable + rng
@@ -226,7 +227,11 @@ def make_train_step(
         # Parameters handed in on one device are placed on the mesh first (a no-op for the
         # step's own outputs), so the step compiles once, not again for its own outputs.
         params, state, model_state, metrics = step(
-            jax.device_put(params, param_shardings), state, model_state, batch, key
+            jax.device_put(params, param_shardings),
+            state,
+            jax.device_put(model_state, replicated),
+            batch,
+            key,
         )
         return (params, state, model_state, metrics) if mutable else (params, state, metrics)
 

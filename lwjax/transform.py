@@ -9,14 +9,16 @@ boxed params, equinox modules with ``None`` leaves). It returns
 .. math:: u = \text{gather}(\text{master}') - p
 
 computed in at least fp32, so ``optax.apply_updates`` gives back exactly the
-gathered parameters (``bf16(master)`` for bf16 parameters).
+gathered ``bf16(master)`` for bf16 parameters; fp32 parameters come back to
+within the rounding of ``p + (new - p)`` (the masters themselves are exact).
 
 Two gradient forms are accepted, told apart by their shapes:
 
 * **reduced** (the leaf's own shape): the gradient of the global mean loss,
   as ``jax.grad`` under GSPMD returns it. GSPMD has already all-reduced it
   where it was produced (the contraction over the sharded batch ends in an
-  all-reduce), so each device just takes its shards;
+  all-reduce), in the parameters' dtype (``grad_reduce_in_fp32`` cannot act
+  on it), so each device just takes its shards;
 * **unreduced** (a leading axis of ``dp * ep``, split over the data axes):
   each device's gradient of its local mean loss, from
   :func:`lwjax.train.value_and_grad`; ``update`` divides by ``dp * ep`` and

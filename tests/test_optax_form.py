@@ -209,3 +209,24 @@ def test_nnx_quickstart_loop_with_batchnorm_and_dropout():
     mean = np.asarray(model.bn.mean[...])
     assert np.all(np.isfinite(mean)) and np.any(mean != 0)
     assert int(optimizer.opt_state.count[...]) == 10
+
+
+def test_none_leaves_train_checkpoint_and_copy():
+    """A tree with a None leaf (an equinox filtered tree) goes through make_train_step,
+    to_logical/from_logical and a checkpoint; the optimizer copies and tree-maps as itself."""
+    import copy
+    import tempfile
+
+    params = {"a": jnp.ones((8, 8)), "n": None, "b": jnp.ones(8)}
+    tx = lwjax.layerwise_muon(params, _mesh(2))
+    assert copy.deepcopy(tx) is tx and copy.copy(tx) is tx and jax.tree.map(lambda x: x, tx) is tx
+    step = lwjax.make_train_step(lambda p, x: jnp.mean(x @ p["a"] + p["b"]), tx, donate=False)
+    params, state, _ = step(params, tx.init(params), jnp.ones((16, 8)))
+    again = lwjax.from_logical(tx, lwjax.to_logical(tx, state))
+    for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(x, y)
+    with tempfile.TemporaryDirectory() as tmp:
+        lwjax.save(f"{tmp}/ckpt", params, state, tx)
+        restored, _ = lwjax.restore(f"{tmp}/ckpt", tx)
+    assert restored["n"] is None
+    np.testing.assert_array_equal(restored["a"], params["a"])

@@ -343,3 +343,26 @@ def test_gemma_package_layout_routes_every_einsum_kernel_whole():
         "transformer/final_norm/scale": "adamw",
     }
     assert "is the input (by name)" in routes[4].why
+
+
+def test_review_cases_stacks_experts_mesh_axis_names_and_repeated_axes():
+    """Cases a review found: named stacks of biases keep their stack (no weight decay), expert
+    leaves are one matrix per expert, a mesh axis called "model" is no model axis, and a
+    repeated output axis is refused."""
+    scale = _route("layers/norm/scale", (3, 32), names=("layers", "norm"))
+    assert (scale.is_muon, scale.stack_dims, scale.param_shape) == (False, 1, (32,))
+    experts = _route("layer0/moe/experts/wi", (4, 32, 64), RoutingRules(model_dim=32))
+    assert experts.is_muon and experts.num_params == 4 and experts.param_shape == (32, 64)
+    query = _route("attn/query/kernel", (64, 8, 16), RoutingRules(model_dim=64),
+                   names=(None, "model", None))  # fmt: skip
+    assert query.is_muon and query.view == (64, 128)
+    with pytest.raises(ValueError, match="MatrixDims uses an axis twice"):
+        _route("w", (4, 8, 16), RoutingRules(dims={"w": MatrixDims(0, (1, -2))}))
+    scanned_moe = route_leaves(
+        [
+            ("layers/moe/experts/wi", (2, 4, 32, 64), "float32"),
+            ("layers/moe/experts/bias", (2, 4, 64), "float32"),
+            ("layers/norm/scale", (2, 32), "float32"),
+        ]
+    )
+    assert [r.stack_dims for r in scanned_moe] == [2, 2, 1]
