@@ -542,7 +542,7 @@ def _warn_doubtful(routes: Sequence[LeafRoute]) -> None:
         ],
         "leaves of 3+ axes are split at the model dimension by position only, no name telling "
         "which side it is on (check their view, or give dims=MatrixDims(...))": [
-            r for r in guessed if r.is_muon and "(by position)" in r.why
+            r for r in guessed if r.is_muon and "(by position)" in r.why and r.view is not None
         ],
         "biases or scales go to Muon": [
             r for r in routes if r.is_muon and dims_lib.is_bias_or_scale(r.path)

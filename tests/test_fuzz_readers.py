@@ -64,7 +64,7 @@ print(json.dumps({"cases": cases, "escaped": escaped}))
 
 def test_only_the_readers_error_escapes_mutated_fixtures():
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(FIXTURES), "20"],
+        [sys.executable, "-c", CHILD, str(FIXTURES), "10"],
         capture_output=True,
         text=True,
         timeout=300,
