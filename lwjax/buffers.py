@@ -54,7 +54,7 @@ def check_tree(plan: ParamPlan, tree, what: str, *, local: bool = True) -> list:
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
     if treedef == plan.treedef:  # the plan's own structure: leaves in route order
-        return _checked_leaves(plan, leaves, what, local)
+        return checked_leaves(plan, leaves, what, local=local)
     routed = {route.path for route in plan.routes}
     entries = [
         (name, leaf)
@@ -64,28 +64,45 @@ def check_tree(plan: ParamPlan, tree, what: str, *, local: bool = True) -> list:
         )
         if leaf is not None or name in routed
     ]
+    match_routes(
+        plan, [name for name, _ in entries], f"{what}: the tree does not match the parameters"
+    )
+    return checked_leaves(plan, [leaf for _, leaf in entries], what, local=local)
+
+
+def match_routes(plan: ParamPlan, names: Sequence[str], what: str) -> None:
+    """Check that ``names`` are the plan's leaf paths, in order.
+
+    Raises:
+      ValueError: naming the first position where they differ, or the first extra name.
+    """
     for i, route in enumerate(plan.routes):
-        name = entries[i][0] if i < len(entries) else None
+        name = names[i] if i < len(names) else None
         if name != route.path:
             got = repr(name) if name is not None else "no more leaves"
             raise ValueError(
-                f"{what}: the tree does not match the parameters: at leaf {i} expected "
-                f"{route.path!r}, got {got}."
+                f"{what}: leaf {i} should be {route.path!r} (the parameters the optimizer was "
+                f"built for, in flatten order); got {got}."
             )
-    if len(entries) > len(plan.routes):
+    if len(names) > len(plan.routes):
         raise ValueError(
-            f"{what}: {entries[len(plan.routes)][0]!r} is not one of the {len(plan.routes)} "
-            "parameters of the plan."
+            f"{what}: {names[len(plan.routes)]!r} is not a parameter the optimizer was built "
+            f"for ({len(plan.routes)} leaves)."
         )
-    return _checked_leaves(plan, [leaf for _, leaf in entries], what, local)
 
 
-def _checked_leaves(plan: ParamPlan, leaves: list, what: str, local: bool) -> list:
-    """``leaves`` (route order), after checking each one's shape and float dtype."""
+def checked_leaves(
+    plan: ParamPlan, leaves: list, what: str, *, local: bool, lead: tuple[int, ...] = ()
+) -> list:
+    """``leaves`` (route order), after checking each one's shape and float dtype.
+
+    ``local``: expert leaves have their device-local shapes; ``lead``: a
+    leading shape every leaf carries first. ``None`` leaves are not checked.
+    """
     for route, leaf in zip(plan.routes, leaves):
         if leaf is None:
             continue
-        shape = route.local_shape if local else route.shape
+        shape = (*lead, *(route.local_shape if local else route.shape))
         if tuple(leaf.shape) != shape:
             raise ValueError(
                 f"{what}: {route.path}: expected shape {shape}; got {tuple(leaf.shape)}."

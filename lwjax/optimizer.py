@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -37,6 +35,7 @@ from lwjax.routing import (
     RoutingRules,
     format_routing_table,
     is_array_like,
+    is_finite_nonnegative,
     param_specs,
     path_name,
     route_leaves,
@@ -97,12 +96,12 @@ class OptimizerConfig:
                 "OptimizerConfig.matrix_convention must be 'in_out' or 'out_in'; "
                 f"got {self.matrix_convention!r}."
             )
-        if self.clip_grad is not None and not _finite_at_least_zero(self.clip_grad):
+        if self.clip_grad is not None and not is_finite_nonnegative(self.clip_grad):
             raise ValueError(
                 f"OptimizerConfig.clip_grad must be a finite number >= 0 or None; "
                 f"got {self.clip_grad!r}."
             )
-        if not _finite_at_least_zero(self.weight_decay):
+        if not is_finite_nonnegative(self.weight_decay):
             raise ValueError(
                 f"OptimizerConfig.weight_decay must be a finite number >= 0; "
                 f"got {self.weight_decay!r}."
@@ -116,16 +115,6 @@ class OptimizerConfig:
                 "OptimizerConfig.master_dtype must be a floating dtype such as 'float32'; "
                 f"got {self.master_dtype!r}."
             )
-
-
-def _finite_at_least_zero(value) -> bool:
-    """A real number (not a bool), finite and >= 0."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
 
 
 class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
@@ -314,7 +303,7 @@ def layerwise_muon(
         ("learning_rate", learning_rate),
         ("adam_learning_rate", adam_learning_rate),
     ):
-        if value is not None and not callable(value) and not _finite_at_least_zero(value):
+        if value is not None and not callable(value) and not is_finite_nonnegative(value):
             raise ValueError(
                 f"layerwise_muon: {name} must be a finite number >= 0 or a schedule; got {value!r}."
             )

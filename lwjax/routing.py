@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -599,16 +600,21 @@ def _expert_dim(name: str, shape: tuple[int, ...], stack: int, value, expert_par
     return dim
 
 
+def is_finite_nonnegative(value) -> bool:
+    """A real number (not a bool), finite and >= 0."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
 def _multiplier(name: str, what: str, value) -> float:
     """A learning-rate or weight-decay multiplier: a finite real number >= 0 (default 1)."""
     if value is None:
         return 1.0
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if not is_finite_nonnegative(value):
         raise ValueError(f"{name}: {what} must be a finite number >= 0; got {what}={value!r}.")
     return float(value)
 

@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lwjax import step as step_lib
+from lwjax.buffers import checked_leaves, match_routes
 from lwjax.plan import ParamPlan, StepPlan
 from lwjax.routing import is_array_like, path_name
 from lwjax.step import LayerwiseState
@@ -156,24 +157,6 @@ def routed_leaves(
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
     kept = [x is not None and is_array_like(x) for _, x in flat]
     named = [(path_name(p), x) for (p, x), k in zip(flat, kept) if k]
-    for i, route in enumerate(plan.routes):
-        name, leaf = named[i] if i < len(named) else (None, None)
-        if name != route.path:
-            got = f"{name!r}" if name is not None else "no more leaves"
-            raise ValueError(
-                f"{what}: leaf {i} should be {route.path!r} (the parameters the optimizer was "
-                f"built for, in flatten order); got {got}."
-            )
-        if tuple(leaf.shape) != (*lead, *route.shape):
-            raise ValueError(
-                f"{what}: {route.path}: expected shape {(*lead, *route.shape)}; "
-                f"got {tuple(leaf.shape)}."
-            )
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise ValueError(f"{what}: {route.path}: expected a floating dtype; got {leaf.dtype}.")
-    if len(named) > len(plan.routes):
-        raise ValueError(
-            f"{what}: {named[len(plan.routes)][0]!r} is not a parameter the optimizer was built "
-            f"for ({len(plan.routes)} leaves)."
-        )
-    return [x for _, x in named], treedef, kept
+    match_routes(plan, [name for name, _ in named], what)
+    leaves = checked_leaves(plan, [x for _, x in named], what, local=False, lead=lead)
+    return leaves, treedef, kept
