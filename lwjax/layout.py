@@ -82,7 +82,7 @@ class LayoutConfig:
     Attributes:
       policy: Layer-wise policy, one of :data:`POLICIES`.
       bucket_size: Bucket size in elements (a soft minimum for layer-wise
-        buffers); ``None``: one bucket per buffer (tied embeddings apart);
+        buffers); ``None``: one bucket per buffer (shared embeddings apart);
         ``"auto"``: Megatron's DDP default, :func:`default_bucket_size` of the
         data-parallel size. Several buckets let one bucket's all-gather run
         during a later bucket's Newton–Schulz (:mod:`lwjax.schedule`).
@@ -160,7 +160,9 @@ class ParamSpec:
       dtype: Parameter dtype name (``"bfloat16"``, ``"float32"``, ...).
       is_muon: Whether the parameter is a Muon matrix, i.e. lives in a
         layer-wise buffer; all others go to elementwise (AdamW) buffers.
-      is_shared_embedding: A tied embedding; layouts isolate it in its own bucket.
+      is_shared_embedding: Megatron's ``shared_embedding``: a tied embedding that
+        pipeline stages copy (pipeline size > 1); layouts isolate it in its own
+        bucket. At pipeline size 1 a tied embedding is an ordinary parameter.
       is_expert: An expert-parallel parameter; its buffer is sharded over the
         expert data-parallel group.
     """

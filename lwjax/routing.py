@@ -123,8 +123,9 @@ class RoutingRules:
         leaves; found for scanned modules by :func:`lwjax.dims.detect_stacks`).
       dims: The leaf's batch, input and output axes at any position, a
         :class:`~lwjax.dims.MatrixDims`; overrides ``stacked`` and axis names.
-      tied: Tied embeddings (isolated bucket, never Muon); also a pattern or a
-        sequence of patterns.
+      tied: Tied embeddings (never Muon); also a pattern or a sequence of
+        patterns. They are laid out like any other parameter, as Megatron lays
+        them out at pipeline size 1.
       expert: Expert-parallel leaves; also patterns. ``True`` puts the expert
         axis on the last stacked axis; an ``int`` names the stacked axis that
         indexes experts.
@@ -198,7 +199,9 @@ class LeafRoute:
       stack_dims: Leading axes that index independent parameters (0: the leaf
         is one parameter; 1: ``[L, ...]`` is ``L`` parameters).
       is_muon: The parameters are Muon matrices.
-      is_shared_embedding: A tied embedding (isolated bucket, never Muon).
+      is_tied: A tied embedding (never Muon; not isolated in a bucket: Megatron
+        isolates only the pipeline-stage copies of a tied embedding, and lwjax
+        has no pipeline stages).
       is_expert: Expert-parallel parameters.
       qkv_split_shapes: For a fused QKV Muon matrix, the output rows of q, k
         and v per query group (e.g. ``(128, 64, 64)``); ``None`` otherwise.
@@ -223,7 +226,7 @@ class LeafRoute:
     dtype: str
     stack_dims: int = 0
     is_muon: bool = False
-    is_shared_embedding: bool = False
+    is_tied: bool = False
     is_expert: bool = False
     qkv_split_shapes: tuple[int, ...] | None = None
     expert_dim: int | None = None
@@ -285,7 +288,6 @@ class LeafRoute:
                 shape=self.param_shape,
                 dtype=self.dtype,
                 is_muon=self.is_muon,
-                is_shared_embedding=self.is_shared_embedding,
                 is_expert=self.is_expert,
             )
             for name in self.param_names()
@@ -449,7 +451,7 @@ def _route_leaf(
         dtype=dtype_name,
         stack_dims=stack,
         is_muon=bool(muon),
-        is_shared_embedding=is_tied,
+        is_tied=is_tied,
         is_expert=is_expert,
         qkv_split_shapes=split,
         expert_dim=expert_dim,
@@ -569,7 +571,7 @@ def routing_table(routes: Iterable[LeafRoute]) -> list[tuple[str, str, str, str,
         batch = (r.view or r.shape)[: r.stack_dims]
         count = f"{math.prod(batch)} × " if batch else ""
         view = f"{count}{list(r.param_shape)}" if r.is_muon else "-"
-        optimizer = "Muon" if r.is_muon else ("AdamW (tied)" if r.is_shared_embedding else "AdamW")
+        optimizer = "Muon" if r.is_muon else ("AdamW (tied)" if r.is_tied else "AdamW")
         rows.append((r.path, str(list(r.shape)), view, optimizer, r.why))
     return rows
 

@@ -156,5 +156,5 @@ def test_linen_params_route_by_the_same_paths():
     assert sorted(p for p, r in routes.items() if r.is_muon) == [
         f"blocks_{i}/up/kernel" for i in range(3)
     ]
-    assert routes["embed/embedding"].is_shared_embedding and not routes["embed/embedding"].is_muon
+    assert routes["embed/embedding"].is_tied and not routes["embed/embedding"].is_muon
     assert not routes["blocks_0/up/bias"].is_muon and not routes["blocks_0/norm/scale"].is_muon

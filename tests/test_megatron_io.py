@@ -20,7 +20,7 @@ from lwjax.megatron.state import read_megatron
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-DCP_DIRS = [FIXTURES / n / "iter_0000002" for n in NAMES if not n.startswith("legacy")]
+DCP_DIRS = sorted(d for d in FIXTURES.glob("*/iter_*") if (d / ".metadata").exists())
 LEGACY_FILES = sorted(FIXTURES.glob("legacy_*/iter_0000002/mp_rank_00/*.pt"))
 
 
@@ -55,6 +55,16 @@ def test_fixtures_are_all_present():
         "muonL_tp2",
         "muonL_ws1",
         "muonL_ws2",
+        "resume_adam",
+        "resume_muon",
+        "tied_adam_ws1",
+        "tied_adam_ws1_fully_reshardable",
+        "tied_adam_ws2",
+        "tied_adam_ws2_fully_reshardable",
+        "tied_muonL_ws1",
+        "tied_muonL_ws1_fully_reshardable",
+        "tied_muonL_ws2",
+        "tied_muonL_ws2_fully_reshardable",
     ]
 
 

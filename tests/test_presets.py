@@ -73,12 +73,13 @@ def test_moe_has_experts_and_a_dense_router():
     assert "decoder.layers.3.mlp.linear_fc1.weight" not in by_name
 
 
-def test_tied_is_gpt2_small_with_one_shared_embedding():
+def test_tied_is_gpt2_small_with_an_embedding_laid_out_as_at_pipeline_size_1():
     specs = preset_specs("tied")
     assert _total(specs) == 124_439_808  # GPT-2 small
-    shared = [s for s in specs if s.is_shared_embedding]
-    assert [s.name for s in shared] == ["embedding.word_embeddings.weight"]
-    assert shared[0].shape == (50257, 768) and not shared[0].is_muon
+    assert not any(s.is_shared_embedding for s in specs)  # Megatron isolates it only at PP > 1
+    embedding = specs[0]
+    assert embedding.name == "embedding.word_embeddings.weight"
+    assert embedding.shape == (50257, 768) and not embedding.is_muon
     assert not any(s.name.startswith("output_layer") for s in specs)
     assert _by_name(specs)["decoder.layers.0.mlp.linear_fc1.weight"].shape == (3072, 768)
 

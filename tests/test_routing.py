@@ -93,7 +93,7 @@ def test_route_leaves_rejects_bad_input():
 
 def test_route_leaves_tied_embedding_is_shared_and_not_muon():
     (route,) = route_leaves([("wte/embedding", (10, 4), "float32")], RoutingRules(tied="wte/*"))
-    assert route.is_shared_embedding and not route.is_muon
+    assert route.is_tied and not route.is_muon
 
 
 def test_path_name_drops_nnx_value_and_reads_linen_paths():

@@ -291,9 +291,9 @@ def _unflatten(
                 ParamSpec(
                     name=f"{k}#{i}",
                     dtype=dtype,
+                    # A tied embedding is not isolated: Megatron sets shared_embedding
+                    # only at pipeline size > 1, whose flat buffers are refused above.
                     shape=names_lib.tp_local_shape(k, per_layer_model[(k, i)].shape, tp),
-                    is_shared_embedding=bool(args.get("share_embeddings_and_output_weights"))
-                    and k == "embedding.word_embeddings.weight",
                 )
                 for k, i in mine
             ]

@@ -51,11 +51,9 @@ def _matrix(name: str, shape: tuple[int, ...], *, is_expert: bool = False) -> Pa
     return ParamSpec(name, shape, PRESET_DTYPE, is_muon=True, is_expert=is_expert)
 
 
-def _elementwise(
-    name: str, shape: tuple[int, ...], *, is_shared_embedding: bool = False
-) -> ParamSpec:
+def _elementwise(name: str, shape: tuple[int, ...]) -> ParamSpec:
     """A parameter the elementwise optimizer (AdamW) updates."""
-    return ParamSpec(name, shape, PRESET_DTYPE, is_shared_embedding=is_shared_embedding)
+    return ParamSpec(name, shape, PRESET_DTYPE)
 
 
 def _check_positive(where: str, **values: int) -> None:
@@ -94,8 +92,9 @@ def transformer_specs(
         and a dense router ``[experts, hidden]`` selects among them.
       swiglu: Stack gate and up projections in ``linear_fc1`` (``[2 * ffn,
         hidden]``); otherwise ``[ffn, hidden]`` (GELU MLP).
-      tied: The output layer reuses the word embeddings: the embedding is a
-        shared (tied) embedding and there is no ``output_layer.weight``.
+      tied: The output layer reuses the word embeddings: there is no
+        ``output_layer.weight``. The embedding is laid out like any other
+        parameter, as Megatron does at pipeline size 1.
       biases: Add linear biases and LayerNorm biases (GPT-2 style).
       max_positions: Rows of a learned position embedding; ``0`` for none (RoPE).
 
@@ -115,9 +114,7 @@ def transformer_specs(
         ffn=ffn,
         vocab=vocab,
     )
-    specs = [
-        _elementwise("embedding.word_embeddings.weight", (vocab, hidden), is_shared_embedding=tied)
-    ]
+    specs = [_elementwise("embedding.word_embeddings.weight", (vocab, hidden))]
     if max_positions:
         specs.append(_elementwise("embedding.position_embeddings.weight", (max_positions, hidden)))
     fc1_rows = 2 * ffn if swiglu else ffn
@@ -192,8 +189,8 @@ def tied(*, layers: int = 12) -> list[ParamSpec]:
 
     Vocabulary 50257.
 
-    The word embedding doubles as the output layer, so it is a shared embedding
-    (isolated in a bucket of its own, updated by AdamW); learned position
+    The word embedding doubles as the output layer (updated by AdamW, in the
+    same buckets as the other parameters, as at pipeline size 1); learned position
     embeddings of 1024 rows; 124.4M parameters at 12 layers.
     """
     return transformer_specs(
