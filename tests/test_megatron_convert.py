@@ -257,7 +257,11 @@ def test_safetensors_export_holds_global_weights_masters_and_momenta(tmp_path):
         got = tensors[name].view(np.uint16) if kind == "model_bf16bits" else tensors[name]
         assert got.tobytes() == expected[entry].tobytes(), entry
     assert tensors["output_layer.weight"].dtype == ml_dtypes.bfloat16
-    assert len(tensors) == 9 + 9 + 4
+    for key in state.exp_avg:  # the Adam moments of the 5 non-Muon parameters
+        assert tensors["optimizer.state.exp_avg." + key].tobytes() == state.exp_avg[key].tobytes()
+        sq = tensors["optimizer.state.exp_avg_sq." + key]
+        assert sq.tobytes() == state.exp_avg_sq[key].tobytes()
+    assert len(tensors) == 9 + 9 + 4 + 5 + 5
     with pytest.raises(ValueError, match="already exists"):
         save_safetensors(state, tmp_path / "w.safetensors")
 
@@ -272,8 +276,10 @@ def test_logical_round_trips_through_megatron_state():
         x, y = getattr(state, kind), getattr(back, kind)
         assert set(x) == set(y) and all(x[k].tobytes() == y[k].tobytes() for k in x), kind
     assert (back.iteration, back.adam_step) == (2, 2)
-    with pytest.raises(ValueError, match="args lack num_attention_heads"):
+    with pytest.raises(ValueError, match="args lack num_attention_heads.*--num-attention-heads"):
         megatron_to_logical(state)
+    with pytest.raises(ValueError, match="lack num_query_groups.*--num-query-groups"):
+        megatron_to_logical(state, num_attention_heads=4)  # GQA read as plain attention
 
 
 def test_tied_embeddings_route_to_adam_and_export_without_an_output_layer(tmp_path):

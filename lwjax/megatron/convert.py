@@ -10,8 +10,9 @@ reproduce Megatron's run; :meth:`MegatronImport.optimizer` and
 Out: :func:`logical_to_megatron` is the inverse; :func:`save_torch_dist` writes
 a ``torch_dist`` checkpoint with per-parameter optimizer keys (Megatron's
 ``fully_reshardable`` naming, torch needed) and :func:`save_safetensors` the
-global weights (plus ``optimizer.state.fp32_param.<key>`` masters and
-``optimizer.state.momentum_buffer.<key>`` Muon momenta).
+global weights (plus ``optimizer.state.fp32_param.<key>`` masters,
+``optimizer.state.momentum_buffer.<key>`` Muon momenta and
+``optimizer.state.exp_avg[_sq].<key>`` Adam moments).
 
 :func:`convert` runs one conversion from a :class:`ConvertConfig` (the CLI's
 ``lwjax convert``): Megatron -> lwjax checkpoint or safetensors, lwjax
@@ -38,6 +39,8 @@ TARGETS = ("lwjax", "safetensors", "torch_dist")
 Target = Literal["lwjax", "safetensors", "torch_dist"]
 FP32_PREFIX = "optimizer.state.fp32_param."
 MOMENTUM_PREFIX = "optimizer.state.momentum_buffer."
+EXP_AVG_PREFIX = "optimizer.state.exp_avg."
+EXP_AVG_SQ_PREFIX = "optimizer.state.exp_avg_sq."
 _ADAM_GROUP_DEFAULTS = {
     "is_expert_parallel": False,
     "default_config": True,
@@ -396,8 +399,8 @@ def megatron_tensors(state: MegatronState) -> dict[str, np.ndarray]:
         elif key in state.masters:
             tensors["optimizer.state.param." + key] = state.masters[key]
             if key in state.exp_avg:
-                tensors["optimizer.state.exp_avg." + key] = state.exp_avg[key]
-                tensors["optimizer.state.exp_avg_sq." + key] = state.exp_avg_sq[key]
+                tensors[EXP_AVG_PREFIX + key] = state.exp_avg[key]
+                tensors[EXP_AVG_SQ_PREFIX + key] = state.exp_avg_sq[key]
     return tensors
 
 
@@ -473,17 +476,22 @@ def save_torch_dist(
 
 
 def safetensors_tensors(state: MegatronState) -> dict[str, np.ndarray]:
-    """Model weights under their Megatron keys, fp32 masters and Muon momenta under
-    optimizer keys.
+    """Model weights under their Megatron keys; fp32 masters, Muon momenta and Adam
+    moments under optimizer keys (``optimizer.state.{fp32_param,momentum_buffer,
+    exp_avg,exp_avg_sq}.<key>``).
     """
     tensors = dict(state.model)
     tensors.update({FP32_PREFIX + k: v for k, v in state.masters.items()})
     tensors.update({MOMENTUM_PREFIX + k: v for k, v in state.momentum.items()})
+    tensors.update({EXP_AVG_PREFIX + k: v for k, v in state.exp_avg.items()})
+    tensors.update({EXP_AVG_SQ_PREFIX + k: v for k, v in state.exp_avg_sq.items()})
     return {k: np.ascontiguousarray(v) for k, v in tensors.items()}
 
 
 def save_safetensors(state: MegatronState, path, *, overwrite: bool = False) -> pathlib.Path:
-    """Write global weights (plus masters and Muon momenta) to one ``.safetensors`` file.
+    """Write global weights, masters, Muon momenta and Adam moments to one ``.safetensors``
+    file (:func:`safetensors_tensors`); the metadata holds the iteration, Adam's step and
+    the source.
 
     Raises:
       ValueError: ``path`` exists (without ``overwrite``), or safetensors is not installed.
@@ -503,6 +511,7 @@ def save_safetensors(state: MegatronState, path, *, overwrite: bool = False) -> 
     metadata = {
         "format": "megatron",
         "iteration": str(state.iteration),
+        "adam_step": str(state.adam_step),
         "source": json.dumps(
             {k: v for k, v in state.source.items() if isinstance(v, (str, int, bool))}
         ),

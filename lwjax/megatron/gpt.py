@@ -149,8 +149,10 @@ class GPTConfig:
         heads = args.get("num_attention_heads")
         if heads is None:
             raise ValueError(
-                "checkpoint args lack num_attention_heads; "
-                "the QKV layout cannot be read from shapes."
+                "checkpoint args lack num_attention_heads (legacy torch checkpoints often do); "
+                "the QKV layout cannot be read from shapes. Give the model's heads and query "
+                "groups: lwjax convert --num-attention-heads N --num-query-groups G, or "
+                "megatron_to_logical(state, num_attention_heads=N, num_query_groups=G)."
             )
         groups = (
             heads
@@ -182,10 +184,18 @@ class GPTConfig:
             detail = "; ".join(
                 f"{k}: got {got}, expected {want}" for k, (got, want) in wrong.items()
             )
+            hint = (
+                ""
+                if args.get("num_query_groups")
+                else " The args lack num_query_groups: if the model uses grouped-query "
+                "attention, give it (lwjax convert --num-query-groups G, or "
+                "num_query_groups=G)."
+            )
             raise ValueError(
                 f"checkpoint is not the GPT its args describe ({config}): {detail}"
                 + (f"; unexpected parameters {extra}" if extra else "")
                 + "."
+                + hint
             )
         return config
 
