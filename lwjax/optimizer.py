@@ -51,12 +51,17 @@ MatrixConvention = Literal["in_out", "out_in"]
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """Options of :func:`layerwise_muon` that are not schedules, transforms, layout or routing.
+    """Options of :func:`layerwise_muon` that are not learning rates, transforms, layout or routing.
 
     Attributes:
       weight_decay: Decoupled weight decay for Muon matrices and for
         elementwise parameters with 2+ dims (Megatron's ``--weight-decay``);
-        biases, norms and other 1-D parameters get none.
+        biases, norms and other 1-D parameters get none. A float, or a
+        schedule ``count -> value`` evaluated at the state's count like the
+        learning rate (Megatron's ``--weight-decay-incr-style``; see
+        :mod:`lwjax.megatron.schedules`). A float is a constant of the
+        compiled step; a step whose scheduled value is not a finite number
+        >= 0 is skipped, like one with a non-finite learning rate.
       clip_grad: Clip to this global L2 norm (``--clip-grad``); ``0`` or ``None`` disables.
       grad_reduce_in_fp32: Reduce gradients in fp32 (Megatron's
         ``--accumulate-allreduce-grads-in-fp32``); else in the parameter dtype.
@@ -78,7 +83,7 @@ class OptimizerConfig:
         ``docs/configuration.md`` for what was measured.
     """
 
-    weight_decay: float = 0.01
+    weight_decay: ScalarOrSchedule = 0.01
     clip_grad: float | None = 1.0
     grad_reduce_in_fp32: bool = True
     master_dtype: str = "float32"
@@ -101,10 +106,10 @@ class OptimizerConfig:
                 f"OptimizerConfig.clip_grad must be a finite number >= 0 or None; "
                 f"got {self.clip_grad!r}."
             )
-        if not is_finite_nonnegative(self.weight_decay):
+        if not callable(self.weight_decay) and not is_finite_nonnegative(self.weight_decay):
             raise ValueError(
-                f"OptimizerConfig.weight_decay must be a finite number >= 0; "
-                f"got {self.weight_decay!r}."
+                f"OptimizerConfig.weight_decay must be a finite number >= 0 or a schedule "
+                f"count -> value; got {self.weight_decay!r}."
             )
         try:
             floating = jnp.issubdtype(jnp.dtype(self.master_dtype), jnp.floating)
@@ -456,10 +461,14 @@ def plan_step(
         norm_groups=norm_groups,
         group_of=tuple(norm_groups.index(r.grad_norm_group) for r in plan.routes),
         lr_mult_of=tuple(r.lr_mult for r in plan.routes),
-        decay_of=tuple(
-            config.weight_decay * r.wd_mult if len(r.param_shape) >= 2 else 0.0 for r in plan.routes
-        ),
+        decay_of=_decay_of(plan.routes, config.weight_decay),
     )
+
+
+def _decay_of(routes, weight_decay: ScalarOrSchedule) -> tuple[float, ...]:
+    """Per leaf ``weight_decay * wd_mult`` (a float), or ``wd_mult`` for a schedule; 0 if 1-D."""
+    scale = 1.0 if callable(weight_decay) else weight_decay
+    return tuple(scale * r.wd_mult if len(r.param_shape) >= 2 else 0.0 for r in routes)
 
 
 def _schedule(value: ScalarOrSchedule) -> Callable[[jax.Array], jax.Array]:

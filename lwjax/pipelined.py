@@ -30,7 +30,7 @@ from lwjax.step import (
     muon_directions,
     reduce_scatter,
     update_and_gather,
-    with_learning_rates_checked,
+    with_schedules_checked,
 )
 
 
@@ -52,9 +52,7 @@ def update_pipelined(
     grad_shards = reduce_scatter(plan, grads, order, reduced=reduced)
     directions = speculate(plan, state, grad_shards, ranks)
     # 3. Norms, clip coefficients and the zero count.
-    stats = with_learning_rates_checked(
-        plan, grad_statistics(plan, grad_shards, ranks), state.count
-    )
+    stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
     checked = bool(plan.config.clip_grad and directions)
     if checked:  # the speculation kept where it held, else each bucket's directions computed again
         directions, recomputed = keep_or_redo(plan, directions, state, grad_shards, ranks, stats)

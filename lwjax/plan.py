@@ -219,7 +219,9 @@ class StepPlan(ParamPlan):
       norm_groups: Gradient-norm groups; group 0 (``None``) is the main norm.
       group_of: Per leaf, the index of its norm group.
       lr_mult_of: Per leaf, its learning-rate multiplier.
-      decay_of: Per leaf, its weight decay (``0`` for 1-D parameters).
+      decay_of: Per leaf, its weight decay ``weight_decay * wd_mult`` (``0``
+        for 1-D parameters); for a scheduled ``weight_decay``, just ``wd_mult``,
+        which the step scales by the schedule's value.
     """
 
     schedule: BucketSchedule

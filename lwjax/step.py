@@ -13,7 +13,8 @@ One step (:func:`update`):
 3. one ``psum`` of a few per-device sums gives the gradient norm of each norm
    group (each element lives in one shard, so nothing is counted twice), the
    clip coefficients :math:`c = \min(1, \text{clip} / (\lVert g \rVert + 10^{-6}))`
-   and the zero count (a non-finite norm or scheduled learning rate skips the step);
+   and the zero count (a non-finite norm or scheduled learning rate, or a scheduled weight
+   decay that is not a finite number >= 0, skips the step);
 4. update the owned shards: Muon on the owned matrices, one batched call per
    slot group (:func:`~lwjax.muon.muon_polar`, then
    :func:`~lwjax.muon.apply_polar`), the elementwise transform plus decoupled
@@ -118,9 +119,7 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: boo
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over all data-parallel devices.
-    stats = with_learning_rates_checked(
-        plan, grad_statistics(plan, grad_shards, ranks), state.count
-    )
+    stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
     new = update_and_gather(plan, state, grad_shards, ranks, stats)
     # 6. The gathered buckets unpacked into parameters.
@@ -203,14 +202,33 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     return GradStats(norms, _clip_coefficients(norms, plan.config.clip_grad), zeros, finite, groups)
 
 
-def with_learning_rates_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -> GradStats:
-    """``stats`` with the step also skipped where a scheduled learning rate is not finite.
+def with_schedules_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -> GradStats:
+    r"""``stats`` with the step also skipped where a schedule gives an unusable value.
 
-    A NaN or infinite learning rate would make every updated master non-finite;
-    like a non-finite gradient, it keeps the old state instead.
+    A NaN or infinite learning rate would make every updated master
+    non-finite; like a non-finite gradient, it keeps the old state instead.
+    So does a scheduled weight decay that is not finite or is negative
+    (:math:`p \leftarrow p - \eta\lambda p` with :math:`\lambda < 0` grows the
+    weights); it is never clipped to a valid value. A float weight decay was
+    checked when the :class:`~lwjax.optimizer.OptimizerConfig` was built.
     """
     lrs = jnp.stack([plan.learning_rate(count), plan.adam_learning_rate(count)])
-    return stats._replace(finite=stats.finite & jnp.all(jnp.isfinite(lrs)))
+    usable = jnp.all(jnp.isfinite(lrs))
+    if callable(plan.config.weight_decay):
+        decay = weight_decay_at(plan, count)
+        usable = usable & jnp.isfinite(decay) & (decay >= 0)
+    return stats._replace(finite=stats.finite & usable)
+
+
+def weight_decay_at(plan: StepPlan, count: jax.Array) -> float | jax.Array:
+    r"""The step's weight decay :math:`\lambda`: ``OptimizerConfig.weight_decay`` at ``count``.
+
+    A float stays a Python float, a constant of the compiled step; it is
+    already in ``plan.decay_of``. A schedule's value is traced, and ``decay_of``
+    then holds the per-leaf multipliers it scales.
+    """
+    decay = plan.config.weight_decay
+    return decay(count) if callable(decay) else decay
 
 
 def _clip_coefficients(norms: jax.Array, clip_grad: float | None) -> jax.Array:
@@ -244,7 +262,11 @@ def update_and_gather(
     the finite check if ``momentum_final``. Returns ``(masters, moments,
     gathered, delta_sq)``, the last the sum of squared master changes.
     """
-    lrs = plan.learning_rate(state.count), plan.adam_learning_rate(state.count)
+    rates = (
+        plan.learning_rate(state.count),
+        plan.adam_learning_rate(state.count),
+        weight_decay_at(plan, state.count),
+    )
     masters = [list(b) for b in state.masters]
     moments = [
         list(m if b.key.is_layer_wise else e)
@@ -265,7 +287,7 @@ def update_and_gather(
         for (a, b), x in zip(due, arrived):
             gathered[a][b] = x
         masters[i][k], moments[i][k], d = update_bucket(
-            plan, i, k, master, moment, grad, own, ranks[i], stats, lrs, momentum_final
+            plan, i, k, master, moment, grad, own, ranks[i], stats, rates, momentum_final
         )
         delta_sq += d
         buffer = plan.buffers[i]
@@ -277,24 +299,26 @@ def update_and_gather(
 
 
 def update_bucket(
-    plan: StepPlan, i, k, master, moment, grad, directions, rank, stats, lrs, momentum_final
+    plan: StepPlan, i, k, master, moment, grad, directions, rank, stats, rates, momentum_final
 ):
     """Phase 4 of bucket ``k`` of buffer ``i``: clip, then Muon or the elementwise update.
 
     ``moment`` is the Muon momentum of a layer-wise bucket, else the
-    elementwise optax state; ``lrs`` the Muon and elementwise learning rates.
+    elementwise optax state; ``rates`` the Muon and elementwise learning rates
+    and the weight decay (:func:`weight_decay_at`).
     Directions computed earlier (``directions``) were taken from gradients
     that needed no clip; others are computed here, after the finite check.
     """
     if plan.config.clip_grad and directions is None:
         grad = clip(grad, stats.groups[i][k], stats.coefs)
+    muon_lr, adam_lr, wd = rates
     if not plan.buffers[i].key.is_layer_wise:
-        return update_elementwise(plan, i, k, master, moment, grad, rank, stats.finite, lrs[1])
+        return update_elementwise(plan, i, k, master, moment, grad, rank, stats.finite, adam_lr, wd)
     if directions is None:  # after the finite check: a skipped step's momentum is the old one
         directions = muon_directions(plan, i, k, moment, grad, rank, stats.finite)
         momentum_final = True
     return apply_muon(
-        plan, i, k, master, moment, directions, rank, stats.finite, lrs[0], momentum_final
+        plan, i, k, master, moment, directions, rank, stats.finite, muon_lr, wd, momentum_final
     )
 
 
@@ -325,15 +349,15 @@ def muon_directions(plan: StepPlan, i: int, k: int, momentum, grad, rank, finite
 
 
 def apply_muon(
-    plan: StepPlan, i, k, master, momentum, directions, rank, finite, lr, momentum_final=True
+    plan: StepPlan, i, k, master, momentum, directions, rank, finite, lr, wd, momentum_final=True
 ):
     """Phase 4b of a layer-wise bucket: :func:`~lwjax.muon.apply_polar` of each slot group.
 
     Group ``j`` steps with learning rate ``lr * lr_mult_j`` and weight decay
-    ``weight_decay * wd_mult_j``; matrices are written back in place. Returns
-    the new master and momentum shards (the old ones where ``finite`` is
-    false; ``momentum_final``: the directions' momentum already is) and the
-    sum of squared master changes.
+    ``wd * wd_mult_j`` (``wd`` from :func:`weight_decay_at`); matrices are
+    written back in place. Returns the new master and momentum shards (the
+    old ones where ``finite`` is false; ``momentum_final``: the directions'
+    momentum already is) and the sum of squared master changes.
     """
     buffer = plan.buffers[i]
     groups, scratch = shards.slot_groups(buffer, k)
@@ -346,7 +370,7 @@ def apply_muon(
             old_p,
             polar,
             learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
-            weight_decay=plan.config.weight_decay * group.wd_mult,
+            weight_decay=wd * group.wd_mult,
             config=plan.muon,
             qkv_split_shapes=group.qkv_split_shapes,
         )
@@ -363,18 +387,24 @@ def apply_muon(
     return master[:size], momentum[:size], delta_sq
 
 
-def update_elementwise(plan: StepPlan, i: int, k: int, master, tx_state, grad, rank, finite, lr):
+def update_elementwise(
+    plan: StepPlan, i: int, k: int, master, tx_state, grad, rank, finite, lr, wd
+):
     r"""Phase 4 of an elementwise bucket: the elementwise transform plus decoupled weight decay.
 
     .. math:: p \leftarrow p - \eta\, m_\eta (u + \lambda m_\lambda p), \qquad u = \text{tx}(g)
 
     ``m_η`` and ``λ m_λ`` (zero on 1-D parameters) are per element
-    (:func:`~lwjax.shards.per_element`). Returns the new master and optax state
-    (the old ones where ``finite`` is false) and the sum of squared master changes.
+    (:func:`~lwjax.shards.per_element`); a scheduled weight decay ``wd``
+    (:func:`weight_decay_at`) multiplies ``m_λ`` here, a float one is already
+    in ``plan.decay_of``. Returns the new master and optax state (the old ones
+    where ``finite`` is false) and the sum of squared master changes.
     """
     buffer = plan.buffers[i]
     lr_mult = shards.per_element(buffer, k, rank, plan.lr_mult_of)
     decay = shards.per_element(buffer, k, rank, plan.decay_of)
+    if callable(plan.config.weight_decay) and not _is_zero(decay):
+        decay = decay * wd
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     direction, new_tx_state = plan.elementwise.update(grad, tx_state, master)
     step = lr * lr_mult if not (isinstance(lr_mult, (int, float)) and lr_mult == 1) else lr
@@ -384,6 +414,11 @@ def update_elementwise(plan: StepPlan, i: int, k: int, master, tx_state, grad, r
         jax.tree.map(keep, new_tx_state, tx_state),
         jnp.sum(jnp.square(new_master - master)),
     )
+
+
+def _is_zero(value) -> bool:
+    """A Python number equal to 0 (a traced or per-element value never is)."""
+    return isinstance(value, (int, float)) and value == 0
 
 
 def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats):

@@ -123,7 +123,7 @@ def test_configuration_reference_names_the_megatron_flags():
     flags = [
         "--optimizer muon --use-distributed-optimizer",
         "--muon-momentum",
-        "--muon-nesterov",
+        "--muon-use-nesterov",
         "--muon-scale-mode",
         "--muon-extra-scale-factor",
         "--muon-num-ns-steps",

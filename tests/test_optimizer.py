@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -692,18 +693,34 @@ def test_bad_hyper_parameters_are_refused_at_construction(kwargs, match):
             layerwise_muon({"w": jnp.ones((4, 4))}, mesh_of(1), **kwargs)
 
 
-@pytest.mark.parametrize("pipeline_muon", [False, True])
-def test_a_non_finite_scheduled_learning_rate_skips_the_step(pipeline_muon):
-    """A schedule that returns NaN at count 1 leaves the state as it was: the count does not
-    advance on a skipped step (Megatron's scheduler does not either), so it stays skipped."""
-    params = toy_params()
+def _bad_at_one(bad):
+    return lambda count: jnp.where(count == 1, bad, 0.01)
+
+
+@pytest.mark.parametrize(
+    "schedule, pipeline_muon",
+    [
+        ({"learning_rate": _bad_at_one(jnp.nan)}, False),
+        ({"learning_rate": _bad_at_one(jnp.nan)}, True),
+        ({"weight_decay": _bad_at_one(jnp.nan)}, False),
+        ({"weight_decay": _bad_at_one(jnp.nan)}, True),
+        ({"weight_decay": _bad_at_one(-0.01)}, False),
+    ],
+    ids=["nan_lr", "nan_lr_pipelined", "nan_wd", "nan_wd_pipelined", "negative_wd"],
+)
+def test_an_unusable_scheduled_value_skips_the_step(schedule, pipeline_muon):
+    """A schedule that returns NaN at count 1 (a weight decay also: infinite or negative; it is
+    not clipped) leaves the state as it was: the count does not advance on a skipped step
+    (Megatron's scheduler does not either), so it stays skipped."""
+    params = toy_params(layers=2)
     grads = random_grads(params, 2, steps=3, seed=2)
-    schedule = lambda count: jnp.where(count == 1, jnp.nan, 0.01)  # noqa: E731
     opt = layerwise_muon(
         params,
         mesh_of(2),
-        learning_rate=schedule,
-        config=OptimizerConfig(pipeline_muon=pipeline_muon),
+        learning_rate=schedule.get("learning_rate", 0.01),
+        config=OptimizerConfig(
+            weight_decay=schedule.get("weight_decay", 0.01), pipeline_muon=pipeline_muon
+        ),
     )
     step = jax.jit(
         jax.shard_map(
@@ -725,3 +742,73 @@ def test_a_non_finite_scheduled_learning_rate_skips_the_step(pipeline_muon):
         for a, b in zip(jax.tree.leaves(later[2]), jax.tree.leaves(history[0][2])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state))
+
+
+def _wd_schedule(count):
+    """0.05, 0.08, 0.11, ...: a float32 weight decay that changes every step."""
+    return jnp.float32(0.05) + jnp.float32(0.03) * jnp.asarray(count, jnp.float32)
+
+
+WD_ROUTING = RoutingRules(wd_mult={"layer0/wq": 0.5, "embed/*": 2.0})
+
+
+def _wd_optimizer(params, weight_decay, pipeline_muon):
+    return layerwise_muon(
+        params,
+        mesh_of(2),
+        learning_rate=LR,
+        muon=MUON,
+        config=OptimizerConfig(
+            weight_decay=weight_decay, clip_grad=1.0, pipeline_muon=pipeline_muon
+        ),
+        layout=LayoutConfig(bucket_size=2000),
+        routing=WD_ROUTING,
+    )
+
+
+def _wd_stepper(opt, form):
+    """One step ``(params, state, device_grads) -> (params, state)`` in the given form."""
+    if form == "local_update":
+        step = _step_fn(opt)
+        return lambda p, s, g: step(p, s, _stacked(opt, g))[:2]
+    update = jax.jit(opt.update)
+
+    def optax_step(p, s, device_grads):
+        mean = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *device_grads)
+        updates, s = update(mean, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return optax_step
+
+
+@pytest.mark.parametrize(
+    "form, pipeline_muon",
+    [("local_update", False), ("local_update", True), ("optax", False)],
+    ids=["local_update", "local_update_pipelined", "optax"],
+)
+def test_a_weight_decay_schedule_steps_as_its_float_value_at_each_count(form, pipeline_muon):
+    """A scheduled weight decay gives, step by step, what an optimizer built with that step's
+    value as a float gives (Muon matrices and 2-D elementwise leaves, with wd_mult)."""
+    params = toy_params(layers=1)
+    grads = random_grads(params, 2, steps=3, seed=5)
+    scheduled = _wd_optimizer(params, _wd_schedule, pipeline_muon)
+    step = _wd_stepper(scheduled, form)
+    got, state = params, scheduled.init(params)
+    want, want_state = params, state
+    for count, device_grads in enumerate(grads):
+        got, state = step(got, state, device_grads)
+        fixed = _wd_optimizer(params, float(_wd_schedule(count)), pipeline_muon)
+        want, want_state = _wd_stepper(fixed, form)(want, want_state, device_grads)
+        assert int(state.count) == count + 1
+        for a, b in zip(jax.tree.leaves((got, state)), jax.tree.leaves((want, want_state))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_weight_decay_schedule_is_accepted_and_a_float_stays_static():
+    opt = _wd_optimizer(toy_params(layers=1), _wd_schedule, False)
+    assert opt.plan.config.weight_decay is _wd_schedule
+    assert set(opt.plan.decay_of) == {0.0, 0.5, 1.0, 2.0}  # the multipliers the step scales
+    fixed = _wd_optimizer(toy_params(layers=1), 0.1, False)
+    assert set(fixed.plan.decay_of) == {0.0, 0.1 * 0.5, 0.1, 0.1 * 2.0}  # constants of the step
+    with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0 or a schedule"):
+        OptimizerConfig(weight_decay="0.1")
