@@ -172,7 +172,11 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
        \lVert g_k \rVert^2 = \sum_{\text{devices}}
        \sum_{i \in \text{shard},\, \text{group}(i) = k} g_i^2
 
-    Padding is excluded from the zero count.
+    Squares of finite gradients from about :math:`1.8 \cdot 10^{19}` on overflow fp32.
+    When a sum comes out infinite, the norms are computed again scaled by the
+    largest magnitude :math:`m_k` (one more pass and two scalar collectives, only
+    then): :math:`\lVert g_k \rVert = m_k \sqrt{\sum (g_i / m_k)^2}`, infinite
+    only when a gradient is. Padding is excluded from the zero count.
     """
     groups = [
         [
@@ -182,22 +186,39 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
         for buffer, rank in zip(plan.buffers, ranks)
     ]
     num_groups = len(plan.norm_groups)
-    sums, zeros = [0] * num_groups, 0
-    for buffer, buckets, rank, bucket_groups in zip(plan.buffers, grad_shards, ranks, groups):
-        for x, group in zip(buckets, bucket_groups):
-            square = jnp.square(x)
-            if isinstance(group, jax.Array):
-                for g in range(num_groups):
-                    sums[g] = sums[g] + jnp.sum(jnp.where(group == g, square, 0))
-            else:
-                sums[group] = sums[group] + jnp.sum(square)
+    dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
+
+    def per_group(value, reduce, combine) -> jax.Array:
+        """``[num_groups]``: ``reduce`` (sum or max) of ``value(x, group)`` over this
+        device's elements of each group, shard results joined by ``combine`` (the values
+        are >= 0, so 0 stands for the other groups' elements and for empty groups)."""
+        totals = [0] * num_groups
+        for buckets, bucket_groups in zip(grad_shards, groups):
+            for x, group in zip(buckets, bucket_groups):
+                v = value(x, group)
+                if isinstance(group, jax.Array):
+                    for g in range(num_groups):
+                        totals[g] = combine(totals[g], reduce(jnp.where(group == g, v, 0)))
+                else:
+                    totals[group] = combine(totals[group], reduce(v))
+        return jnp.stack([jnp.asarray(t, dtype) for t in totals])
+
+    zeros = 0
+    for buffer, buckets, rank in zip(plan.buffers, grad_shards, ranks):
+        for x in buckets:
             zeros = zeros + jnp.sum(x == 0, dtype=jnp.int32)
         padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
         zeros = zeros - shards.rank_row(padding, rank)[0]
-    dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
-    sums, zeros = jnp.stack([jnp.asarray(s, dtype) for s in sums]), jnp.asarray(zeros, jnp.int32)
-    sums, zeros = lax.psum((sums, zeros), plan.axes.data)
-    norms = jnp.sqrt(sums)
+    sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
+    sums, zeros = lax.psum((sums, jnp.asarray(zeros, jnp.int32)), plan.axes.data)
+
+    def scaled_norms():
+        peaks = lax.pmax(per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum), plan.axes.data)
+        scale = jnp.where(peaks > 0, peaks, 1)
+        scaled = per_group(lambda x, group: jnp.square(x / scale[group]), jnp.sum, jnp.add)
+        return scale * jnp.sqrt(lax.psum(scaled, plan.axes.data))
+
+    norms = lax.cond(jnp.any(jnp.isinf(sums)), scaled_norms, lambda: jnp.sqrt(sums))
     finite = jnp.all(jnp.isfinite(norms))
     return GradStats(norms, _clip_coefficients(norms, plan.config.clip_grad), zeros, finite, groups)
 

@@ -812,3 +812,42 @@ def test_weight_decay_schedule_is_accepted_and_a_float_stays_static():
     assert set(fixed.plan.decay_of) == {0.0, 0.1 * 0.5, 0.1, 0.1 * 2.0}  # constants of the step
     with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0 or a schedule"):
         OptimizerConfig(weight_decay="0.1")
+
+
+@pytest.mark.parametrize("pipeline_muon", [False, True])
+def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon):
+    """Gradients of 1e20 square to infinity in fp32; the norm is then computed scaled by the
+    largest magnitude, so the step clips them like the same gradients at 1e-18 of the size
+    (the update is the same up to rounding; only an infinite gradient skips)."""
+    params = toy_params(layers=2)
+    (device_grads,) = random_grads(params, 2, steps=1, seed=3)
+    opt = layerwise_muon(
+        params,
+        mesh_of(2),
+        learning_rate=0.01,
+        config=OptimizerConfig(clip_grad=1.0, pipeline_muon=pipeline_muon),
+        routing=RoutingRules(grad_norm_group={"embed/*": "embed"}),
+    )
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s, p: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p),
+            mesh=opt.mesh,
+            in_specs=(P("dp"), opt.state_specs, P()),
+            out_specs=(P(), opt.state_specs, P()),
+            check_vma=False,
+        )
+    )
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).astype(jnp.float32), *device_grads)
+    results = {}
+    for scale in (1e20, 100.0, np.inf):
+        grads = jax.tree.map(lambda x: x * jnp.float32(scale / 100.0), stacked)
+        if not np.isfinite(scale):  # one infinite element: that one does skip
+            grads = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.inf), stacked)
+        results[scale] = step(grads, opt.init(params), params)
+    (big, _, big_metrics), (ref, _, ref_metrics), (_, _, inf_metrics) = results.values()
+    assert not bool(big_metrics["skipped"]) and bool(inf_metrics["skipped"])
+    np.testing.assert_allclose(
+        float(big_metrics["grad_norm"]), float(ref_metrics["grad_norm"]) * 1e18, rtol=1e-5
+    )
+    for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
