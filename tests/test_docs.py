@@ -33,6 +33,7 @@ PAGES = (
     "multihost",
     "optax",
     "own-step",
+    "megatron",
 )
 PAGES_WITHOUT_PYTHON = ("index", "architecture", "benchmarks")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -58,7 +59,13 @@ def test_docs_pages_exist():
 @pytest.mark.parametrize("page", [p for p in PAGES if p != "api"] + ["api"])
 def test_docs_python_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    count = run_blocks(DOCS / f"{page}.md", {"__name__": f"docs_{page}"})
+    namespace = {"__name__": f"docs_{page}"}
+    if page == "megatron":  # the page's examples read real megatron-core checkpoints
+        fixtures = ROOT / "tests" / "fixtures" / "megatron"
+        namespace.update(
+            CKPT=str(fixtures / "resume_muon"), ADAM_CKPT=str(fixtures / "resume_adam")
+        )
+    count = run_blocks(DOCS / f"{page}.md", namespace)
     assert count >= (0 if page in PAGES_WITHOUT_PYTHON else 1)
 
 

@@ -838,13 +838,13 @@ def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon):
         )
     )
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs).astype(jnp.float32), *device_grads)
-    results = {}
-    for scale in (1e20, 100.0, np.inf):
-        grads = jax.tree.map(lambda x: x * jnp.float32(scale / 100.0), stacked)
-        if not np.isfinite(scale):  # one infinite element: that one does skip
-            grads = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.inf), stacked)
-        results[scale] = step(grads, opt.init(params), params)
-    (big, _, big_metrics), (ref, _, ref_metrics), (_, _, inf_metrics) = results.values()
+    cases = (
+        jax.tree.map(lambda x: x * jnp.float32(1e18), stacked),
+        stacked,
+        jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.inf), stacked),  # this one skips
+    )
+    results = [step(grads, opt.init(params), params) for grads in cases]
+    (big, _, big_metrics), (ref, _, ref_metrics), (_, _, inf_metrics) = results
     assert not bool(big_metrics["skipped"]) and bool(inf_metrics["skipped"])
     np.testing.assert_allclose(
         float(big_metrics["grad_norm"]), float(ref_metrics["grad_norm"]) * 1e18, rtol=1e-5

@@ -9,9 +9,9 @@ through torch's own loaders instead, with identical results. Writing
 Typical use::
 
     from lwjax import megatron
-    state = megatron.read_megatron("/ckpts/gpt")             # MegatronState (numpy)
-    imported = megatron.megatron_to_logical(state)            # GPT params + LogicalState
-    opt = imported.optimizer(mesh)                            # layerwise_muon, Megatron's settings
+    imported = megatron.import_megatron("/ckpts/gpt")         # GPT params + LogicalState
+    print(imported.report())                                  # options and schedule read, and where
+    opt = imported.optimizer(mesh)                            # Megatron's options and schedule
     params, opt_state = imported.state(opt)                   # on the mesh, ready to train
 
 Modules: :mod:`~lwjax.megatron.pickle_io` (restricted unpickler, ``torch.save``
@@ -20,6 +20,8 @@ archives), :mod:`~lwjax.megatron.dcp` (DCP directories), :mod:`~lwjax.megatron.n
 (formats -> :class:`MegatronState`), :mod:`~lwjax.megatron.gpt` (the GPT's shape and
 tree), :mod:`~lwjax.megatron.model` (its initialisation and forward pass, jax),
 :mod:`~lwjax.megatron.convert` (lwjax <-> Megatron, ``lwjax convert``),
+:mod:`~lwjax.megatron.options` (optimizer options under all their names),
+:mod:`~lwjax.megatron.schedules` (Megatron's learning-rate and weight-decay schedules),
 :mod:`~lwjax.megatron.ping_pong` (Megatron's legacy ownership). ``gpt_loss`` is
 loaded on first use, so reading checkpoints never imports jax.
 """
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 from lwjax.megatron.convert import ConvertConfig as ConvertConfig
 from lwjax.megatron.convert import MegatronImport as MegatronImport
 from lwjax.megatron.convert import convert as convert
+from lwjax.megatron.convert import import_megatron as import_megatron
 from lwjax.megatron.convert import logical_to_megatron as logical_to_megatron
 from lwjax.megatron.convert import megatron_to_logical as megatron_to_logical
 from lwjax.megatron.convert import save_safetensors as save_safetensors
@@ -50,6 +53,7 @@ __all__ = (
     "MegatronState",
     "convert",
     "gpt_loss",
+    "import_megatron",
     "logical_to_megatron",
     "megatron_to_logical",
     "read_megatron",

@@ -22,11 +22,13 @@ checkpoint -> ``torch_dist`` or safetensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import time
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +36,10 @@ import numpy as np
 from lwjax.megatron import names as names_lib
 from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
 from lwjax.megatron.state import READERS, MegatronState, read_megatron
+
+if TYPE_CHECKING:  # both import jax; reading a checkpoint does not
+    from lwjax.megatron.options import MegatronOptions
+    from lwjax.megatron.schedules import MegatronSchedule
 
 TARGETS = ("lwjax", "safetensors", "torch_dist")
 Target = Literal["lwjax", "safetensors", "torch_dist"]
@@ -77,6 +83,7 @@ class MegatronImport:
       iteration: Iterations done.
       source: Where the checkpoint came from (format, sharding, reader, ...).
       args: Megatron's ``args``.
+      scheduler: Megatron-LM's stored ``opt_param_scheduler`` state (may be empty).
     """
 
     config: GPTConfig
@@ -87,53 +94,165 @@ class MegatronImport:
     iteration: int
     source: dict
     args: dict
+    scheduler: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def options(self) -> MegatronOptions:
+        """The run's optimizer options and where each was read
+        (:func:`~lwjax.megatron.options.read_options`).
+        """
+        from lwjax.megatron.options import read_options
+
+        return read_options(self.args, self.hyperparameters)
+
+    def schedule(self) -> MegatronSchedule | None:
+        """The run's learning-rate and weight-decay schedule, resumed where the checkpoint
+        stopped; ``None`` when the checkpoint stores none (no ``train_iters`` or
+        ``train_samples`` in its args and no ``opt_param_scheduler``).
+
+        Raises:
+          ValueError: a schedule argument lwjax cannot follow (named).
+        """
+        if not self.scheduler and not (
+            self.args.get("train_iters") or self.args.get("train_samples")
+        ):
+            return None
+        from lwjax.megatron.schedules import schedule_from_megatron
+
+        return schedule_from_megatron(self.args, self.scheduler or None, self.iteration)
 
     def optimizer_kwargs(self, **overrides) -> dict[str, Any]:
         """Keyword arguments of :func:`~lwjax.optimizer.layerwise_muon` that continue
-        Megatron's run.
+        Megatron's run: its Muon and Adam options (:attr:`options`) and its schedule
+        (:meth:`schedule`), or, when the checkpoint stores no schedule, the param
+        groups' current learning rate and weight decay held constant (with a warning).
 
-        Learning rates are the param groups' current values (constant); pass
-        schedules in ``overrides`` to continue one.
+        ``overrides`` replace entries (e.g. ``learning_rate=``, ``muon=``).
         """
         import optax
 
         from lwjax.muon import MuonConfig
         from lwjax.optimizer import OptimizerConfig
 
-        adam = self.hyperparameters.get("adam", {})
-        muon = self.hyperparameters.get("muon", {})
-        args = self.args
-        b1, b2 = adam.get("betas", (args.get("adam_beta1", 0.9), args.get("adam_beta2", 0.999)))
-        clip = args.get("clip_grad", 1.0)
-        muon_config = MuonConfig(
-            momentum=float(muon.get("momentum", args.get("muon_momentum", 0.95))),
-            nesterov=bool(muon.get("nesterov", args.get("muon_use_nesterov", False))),
-            num_ns_steps=int(args.get("muon_num_ns_steps", 5)),
-            scale_mode=args.get("muon_scale_mode", "spectral"),
-            extra_scale_factor=float(args.get("muon_extra_scale_factor", 1.0)),
-            fp32_matmul_prec=args.get("muon_fp32_matmul_prec", "medium"),
-            split_qkv=bool(args.get("muon_split_qkv", True)),
-        )
+        options = self.options
+        schedule = self.schedule()
+        if schedule is None:
+            group = self.hyperparameters.get("muon") or self.hyperparameters.get("adam", {})
+            learning_rate = float(group.get("lr", self.args.get("lr", 1e-3)))
+            weight_decay = float(group.get("weight_decay", self.args.get("weight_decay", 0.01)))
+            if "learning_rate" not in overrides:
+                warnings.warn(
+                    f"{self.source.get('directory', 'the checkpoint')}: no learning-rate "
+                    "schedule stored (no train_iters/train_samples in args, no "
+                    f"opt_param_scheduler); continuing with the param groups' lr={learning_rate} "
+                    f"and weight_decay={weight_decay} held constant. Pass learning_rate= "
+                    "(and weight decay through config=) to follow a schedule.",
+                    stacklevel=2,
+                )
+        else:
+            learning_rate, weight_decay = schedule.learning_rate, schedule.weight_decay
+        tp = int(self.source.get("tp") or 1)
+        if self.muon and tp > 1 and options["muon_tp_mode"] == "blockwise":
+            warnings.warn(
+                f"muon_tp_mode='blockwise' at tensor_model_parallel_size={tp}: Megatron "
+                "orthogonalised each tensor-parallel shard of a matrix separately; lwjax "
+                "orthogonalises whole matrices (Megatron's 'duplicated' mode), so the "
+                "continued run follows a different update rule.",
+                stacklevel=2,
+            )
+        clip = options["clip_grad"]
         kwargs = {
-            "learning_rate": float(muon.get("lr", adam.get("lr", args.get("lr", 1e-3)))),
-            "adam_learning_rate": float(adam.get("lr", muon.get("lr", args.get("lr", 1e-3)))),
-            "muon": muon_config,
+            "learning_rate": learning_rate,
+            "adam_learning_rate": learning_rate,
+            "muon": MuonConfig(
+                momentum=options["muon_momentum"],
+                nesterov=options["muon_nesterov"],
+                coefficient_type=options["muon_coefficient_type"],
+                num_ns_steps=options["muon_num_ns_steps"],
+                scale_mode=options["muon_scale_mode"],
+                extra_scale_factor=options["muon_extra_scale_factor"],
+                fp32_matmul_prec=options["muon_fp32_matmul_prec"],
+                split_qkv=options["muon_split_qkv"],
+            ),
             "elementwise": optax.scale_by_adam(
-                b1=float(b1), b2=float(b2), eps=float(adam.get("eps", 1e-8))
+                b1=options["adam_beta1"], b2=options["adam_beta2"], eps=options["adam_eps"]
             ),
             "config": OptimizerConfig(
-                weight_decay=float(
-                    adam.get(
-                        "weight_decay", muon.get("weight_decay", args.get("weight_decay", 0.01))
-                    )
-                ),
-                clip_grad=float(clip) if clip else None,
+                weight_decay=weight_decay,
+                clip_grad=clip if clip else None,
                 matrix_convention=MATRIX_CONVENTION,
             ),
             "routing": self.config.routing_rules(muon=self.muon),
         }
         kwargs.update(overrides)
         return kwargs
+
+    def loss_fn(self, **options) -> Callable:
+        """``loss(params, (tokens, labels))``: the GPT's mean token cross-entropy
+        (:func:`~lwjax.megatron.model.gpt_loss`) with Megatron's numerics in the stored
+        weights' dtype (bf16 for a ``--bf16`` run, as its ``Float16Module`` computes).
+
+        ``options`` override :func:`~lwjax.megatron.model.gpt_loss`'s keywords, e.g.
+        ``numerics="lwjax"`` for the faster forward with fp32 norms and softmax.
+        """
+        from lwjax.megatron.model import gpt_loss
+
+        dtypes = {np.asarray(w).dtype.name for w in keys_from_tree(self.params).values()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+        return functools.partial(
+            gpt_loss, config=self.config, **{"dtype": dtype, "numerics": "megatron", **options}
+        )
+
+    def to_megatron(self, params, logical) -> MegatronState:
+        """The continued run as a :class:`~lwjax.megatron.state.MegatronState` to save with
+        :func:`save_torch_dist` or :func:`save_safetensors`: Megatron's args, param groups
+        at the schedule's current values, and its scheduler moved on by the steps taken
+        since the import.
+
+        Args:
+          params: The GPT parameter tree.
+          logical: Its :class:`~lwjax.logical.LogicalState`
+            (:func:`lwjax.logical.to_logical`).
+        """
+        count = int(np.asarray(logical.count))
+        hyperparameters = {kind: dict(v) for kind, v in self.hyperparameters.items()}
+        schedule = self.schedule()
+        if schedule is not None:
+            samples = schedule.num_steps_of(count)  # Megatron's values, in float64
+            for entry in hyperparameters.values():
+                entry["lr"] = float(schedule.learning_rate_at(samples))
+                entry["weight_decay"] = float(schedule.weight_decay_at(samples))
+        return logical_to_megatron(
+            params,
+            logical,
+            hyperparameters=hyperparameters,
+            args=self.args,
+            scheduler=_advanced_scheduler(self.scheduler, self.iteration, self.args, count),
+        )
+
+    def report(self) -> str:
+        """What was read and from where: the source, the model, every optimizer option
+        and the schedule.
+        """
+        schedule = self.schedule()
+        lines = [
+            f"source: {self.source.get('format')} {self.source.get('directory', '')}".rstrip(),
+            f"iteration: {self.iteration}",
+            f"model: {self.config}",
+            f"optimizer: {'Muon (decoder matrices) + Adam' if self.muon else 'Adam'}",
+            self.options.report(),
+        ]
+        if schedule is None:
+            lines.append("schedule: none stored (the param groups' lr and weight decay, constant)")
+        else:
+            described = schedule.describe()
+            width = max(map(len, described))
+            lines.append("schedule:")
+            lines += [
+                f"  {name:<{width}} = {entry['value']!r}  ({entry['from']})"
+                for name, entry in described.items()
+            ]
+        return "\n".join(lines)
 
     def optimizer(self, mesh, **overrides):
         """A :func:`~lwjax.optimizer.layerwise_muon` for these parameters on ``mesh``."""
@@ -165,13 +284,21 @@ def _gpt_config(
 
 
 def megatron_to_logical(
-    state: MegatronState, config: GPTConfig | None = None, **config_overrides
+    state: MegatronState,
+    config: GPTConfig | None = None,
+    *,
+    muon: bool | None = None,
+    **config_overrides,
 ) -> MegatronImport:
     """Turn a Megatron checkpoint into lwjax's GPT parameters and logical optimizer state.
 
     Args:
       state: From :func:`~lwjax.megatron.state.read_megatron`.
       config: The GPT's shape; read from the checkpoint's args when ``None``.
+      muon: Continue with Muon on the decoder matrices (``True``) or Adam on
+        everything (``False``); ``None`` continues as Megatron ran. Switching an
+        Adam run to Muon starts those matrices' momenta at zero and drops their
+        Adam moments; switching Muon to Adam starts their moments at zero.
       **config_overrides: ``args`` entries to use where the checkpoint lacks
         them (e.g. ``num_attention_heads``, ``num_query_groups``).
 
@@ -189,7 +316,8 @@ def megatron_to_logical(
     from lwjax.optimizer import route_params
 
     config = _gpt_config(state, config, config_overrides)
-    muon = bool(state.momentum)
+    ran_muon = bool(state.momentum)
+    muon = ran_muon if muon is None else bool(muon)
     params = tree_from_keys(state.model)
     routes = {
         r.path.replace("/", "."): r
@@ -198,7 +326,7 @@ def megatron_to_logical(
         )
     }
     lwjax_muon = {k for k, r in routes.items() if r.is_muon}
-    if muon and lwjax_muon != set(state.momentum):
+    if muon and ran_muon and lwjax_muon != set(state.momentum):
         raise ValueError(
             f"Megatron ran Muon on {sorted(state.momentum)}, lwjax's GPT routing gives "
             f"{sorted(lwjax_muon)}; they must agree to continue the run."
@@ -230,9 +358,54 @@ def megatron_to_logical(
         muon=muon,
         hyperparameters=state.hyperparameters,
         iteration=iteration,
-        source={**state.source, "has_optimizer_state": bool(state.masters)},
+        source={
+            **state.source,
+            "has_optimizer_state": bool(state.masters),
+            **({"switched_from": "muon" if ran_muon else "adam"} if muon != ran_muon else {}),
+        },
         args=state.args,
+        scheduler=dict(state.scheduler),
     )
+
+
+def import_megatron(
+    path,
+    *,
+    iteration: int | None = None,
+    reader: str = "numpy",
+    weights_only: bool = False,
+    config: GPTConfig | None = None,
+    muon: bool | None = None,
+    **config_overrides,
+) -> MegatronImport:
+    """Open a Megatron checkpoint, or the lwjax checkpoint ``lwjax convert`` made of one,
+    ready to continue training.
+
+    Args:
+      path: A Megatron checkpoint directory (``torch_dist`` or legacy ``torch``), or an
+        lwjax checkpoint written by :func:`convert` (its Megatron config, args, param
+        groups and scheduler state are in its metadata).
+      iteration, reader, weights_only: As for :func:`~lwjax.megatron.state.read_megatron`.
+      config, muon, **config_overrides: As for :func:`megatron_to_logical`.
+
+    Raises:
+      ValueError: unreadable input, or an lwjax checkpoint without Megatron metadata.
+    """
+    if detect_source(path) == "megatron":
+        state = read_megatron(path, iteration=iteration, reader=reader, weights_only=weights_only)
+        return megatron_to_logical(state, config, muon=muon, **config_overrides)
+    from lwjax.checkpoint import load_arrays
+
+    arrays, record = load_arrays(path)
+    meta = record.get("metadata", {}).get("megatron")
+    if not meta:
+        raise ValueError(
+            f"{path}: an lwjax checkpoint without Megatron metadata (not written by "
+            "lwjax convert); restore it with lwjax.checkpoint instead."
+        )
+    state, stored = _state_from_lwjax(arrays, record)
+    state.source.update(meta.get("source") or {}, converted=str(path))
+    return megatron_to_logical(state, config or stored, muon=muon, **config_overrides)
 
 
 def _adam_state(elementwise):
@@ -255,6 +428,7 @@ def logical_to_megatron(
     iteration: int | None = None,
     hyperparameters: Mapping[str, Any] | None = None,
     args: Mapping[str, Any] | None = None,
+    scheduler: Mapping[str, Any] | None = None,
 ) -> MegatronState:
     """Inverse of :func:`megatron_to_logical`: a :class:`MegatronState` from GPT parameters
     and logical state.
@@ -265,6 +439,7 @@ def logical_to_megatron(
       iteration: Iterations done; defaults to ``logical.count``.
       hyperparameters: ``{"muon": {...}, "adam": {...}}`` for the param groups.
       args: Megatron ``args`` to record.
+      scheduler: Megatron-LM's ``opt_param_scheduler`` state to record.
 
     Raises:
       ValueError: an elementwise state without Adam moments.
@@ -297,6 +472,7 @@ def logical_to_megatron(
         hyperparameters=dict(hyperparameters or {}),
         args=dict(args or {}),
         source={"format": "lwjax"},
+        scheduler=dict(scheduler or {}),
     )
 
 
@@ -454,6 +630,7 @@ def save_torch_dist(
         "iteration": int(state.iteration),
         "content_metadata": content,
         "num_floating_point_operations_so_far": 0,
+        **({"opt_param_scheduler": _plain(state.scheduler)} if state.scheduler else {}),
         "optimizer": {0: {"optimizer": {"param_groups": muon_groups}}, 1: adam_part}
         if muon_groups
         else adam_part,
@@ -647,8 +824,33 @@ def _state_from_lwjax(
         iteration=record.get("step"),
         hyperparameters=meta.get("hyperparameters"),
         args=meta.get("args"),
+        scheduler=_advanced_scheduler(
+            meta.get("scheduler"), meta.get("iteration"), meta.get("args"), record.get("step")
+        ),
     )
     return state, config
+
+
+def _advanced_scheduler(
+    scheduler: Mapping, iteration: int | None, args: Mapping | None, step
+) -> dict:
+    """A Megatron import's ``opt_param_scheduler`` moved on by the steps lwjax took since:
+    ``num_steps += (step - iteration) * global_batch_size``.
+    """
+    scheduler = dict(scheduler or {})
+    if not scheduler or step is None:
+        return scheduler
+    taken = int(step) - int(step if iteration is None else iteration)
+    if taken:
+        batch = (args or {}).get("global_batch_size")
+        if not batch:
+            raise ValueError(
+                "the run moved on from its Megatron import, but its args lack "
+                "global_batch_size: the scheduler's position in samples cannot be advanced."
+            )
+        key = "num_steps" if "num_steps" in scheduler else "num_iters"
+        scheduler[key] = int(scheduler.get(key, 0)) + taken * int(batch)
+    return scheduler
 
 
 def convert(
@@ -717,6 +919,8 @@ def convert(
                 },
                 "source": _plain(imported.source),
                 "muon": imported.muon,
+                "scheduler": _plain(imported.scheduler),
+                "iteration": imported.iteration,
             }
         }
         report("writing", 2, total)

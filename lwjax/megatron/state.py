@@ -93,6 +93,8 @@ class MegatronState:
       hyperparameters: ``{"muon": {...}, "adam": {...}}`` from the param groups.
       args: Megatron's ``args`` as a dict.
       source: Where it came from: format, directory, reader, tp, optimizer sharding.
+      scheduler: Megatron-LM's ``opt_param_scheduler`` state (the schedule's
+        position in samples and its stored settings), empty when not saved.
     """
 
     iteration: int
@@ -105,6 +107,7 @@ class MegatronState:
     hyperparameters: dict[str, Any]
     args: dict[str, Any]
     source: dict[str, Any]
+    scheduler: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _is_iteration_dir(path: pathlib.Path) -> bool:
@@ -814,4 +817,5 @@ def _read_megatron(
         hyperparameters=hyper,
         args=state["args"],
         source={**state["source"], "directory": str(directory), "reader": reader},
+        scheduler=_as_dict(state["common"].get("opt_param_scheduler")),
     )
