@@ -210,12 +210,13 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
 
     @property
     def data_axes(self) -> str | tuple[str, str]:
-        """The data-parallel axes, ``axis`` or ``(axis, expert_axis)``."""
+        """The data-parallel axes the batch is split over: ``axis``, with ``replica_axis``
+        before it and ``expert_axis`` after it when given."""
         return self.plan.axes.data
 
     @property
     def num_data(self) -> int:
-        """Number of data-parallel devices (``dp * ep``)."""
+        """Number of data-parallel devices (``replica * dp * ep``)."""
         return self.plan.axes.num_data
 
 
@@ -236,6 +237,7 @@ def layerwise_muon(
     *,
     axis: str = "dp",
     expert_axis: str | None = None,
+    replica_axis: str | None = None,
     learning_rate: ScalarOrSchedule = 0.02,
     adam_learning_rate: ScalarOrSchedule | None = None,
     muon: MuonConfig = MuonConfig(),
@@ -267,12 +269,20 @@ def layerwise_muon(
     function sees the local experts and must exchange tokens over
     ``expert_axis`` itself.
 
+    Sharding groups (Megatron's ``num_optimizer_shards``): with
+    ``replica_axis``, the layout spans the ``(axis, expert_axis)`` devices of
+    one group and each of the ``replica_axis`` groups holds a copy of the
+    optimizer state; the batch is split over all three axes, gradients are
+    reduce-scattered within a group and summed across groups
+    (:mod:`lwjax.groups` chooses the group size).
+
     Args:
       params: The (global) parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
       mesh: A mesh with a data-parallel axis named ``axis``.
       axis: The data-parallel axis.
       expert_axis: The expert-parallel axis, or ``None`` (expert leaves, if
         any, then live in expert buffers sharded over ``axis``).
+      replica_axis: The axis across sharding groups, or ``None`` (one group).
       learning_rate: Muon learning rate, or a schedule of the step count.
       adam_learning_rate: Learning rate of the elementwise parameters;
         defaults to ``learning_rate`` (Megatron uses one schedule for both).
@@ -289,7 +299,7 @@ def layerwise_muon(
       A :class:`LayerwiseOptimizer`.
 
     Raises:
-      ValueError: ``axis`` or ``expert_axis`` not in the mesh, a learning rate
+      ValueError: ``axis``, ``expert_axis`` or ``replica_axis`` not in the mesh, a learning rate
         that is not a finite number >= 0 (a schedule is checked at each step:
         a non-finite value skips the step), or a routing/layout rule broken.
 
@@ -312,7 +322,7 @@ def layerwise_muon(
             raise ValueError(
                 f"layerwise_muon: {name} must be a finite number >= 0 or a schedule; got {value!r}."
             )
-    axes = _mesh_axes(mesh, axis, expert_axis)
+    axes = _mesh_axes(mesh, axis, expert_axis, replica_axis)
     plan = plan_step(
         plan_params(
             params,
@@ -411,17 +421,19 @@ def plan_params(
 ) -> ParamPlan:
     """Route a parameter pytree, lay it out over ``axes`` and build its per-rank tables.
 
-    Dense buffers are laid out over all ``axes.num_data`` data-parallel
-    devices, expert buffers over ``axes.dp_size`` (expert leaves from their
-    local shapes, ``E / ep`` experts each).
+    Dense buffers are laid out over the ``axes.group_size`` devices of a
+    sharding group, expert buffers over ``axes.dp_size`` (expert leaves from
+    their local shapes, ``E / ep`` experts each). ``bucket_size="auto"``
+    resolves with all ``axes.num_data`` data-parallel devices, as Megatron's DDP
+    sizes buckets by the data-parallel world.
     """
     routes = route_params(
         params, routing, expert_parallel=axes.ep_size, matrix_convention=matrix_convention
     )
     full = compute_full_param_layout(
         param_specs(routes),
-        axes.num_data,
-        layout,
+        axes.group_size,
+        dataclasses.replace(layout, bucket_size=layout.bucket_size_for(axes.num_data)),
         expert_dp=axes.dp_size,
         grad_reduce_in_fp32=grad_reduce_in_fp32,
     )
@@ -475,20 +487,65 @@ def _schedule(value: ScalarOrSchedule) -> Callable[[jax.Array], jax.Array]:
     return value if callable(value) else (lambda count: jnp.asarray(value, jnp.float32))
 
 
-def _mesh_axes(mesh: Mesh, axis: str, expert_axis: str | None) -> MeshAxes:
+def _mesh_axes(
+    mesh: Mesh, axis: str, expert_axis: str | None, replica_axis: str | None = None
+) -> MeshAxes:
     """Check the axis names against the mesh and return their :class:`MeshAxes`."""
-    for name, what in ((axis, "data-parallel"), (expert_axis, "expert-parallel")):
+    named = (
+        ("axis", axis, "data-parallel"),
+        ("expert_axis", expert_axis, "expert-parallel"),
+        ("replica_axis", replica_axis, "sharding-group"),
+    )
+    for _, name, what in named:
         if name is not None and name not in mesh.axis_names:
             raise ValueError(
                 f"layerwise_muon: mesh has axes {mesh.axis_names}; no {what} axis {name!r}."
             )
-    if expert_axis == axis:
+    given = [(arg, name) for arg, name, _ in named if name is not None]
+    if len({name for _, name in given}) < len(given):
         raise ValueError(
-            f"layerwise_muon: expert_axis must differ from axis; got {axis=!r}, {expert_axis=!r}."
+            "layerwise_muon: axis, expert_axis and replica_axis must differ; got "
+            + ", ".join(f"{arg}={name!r}" for arg, name in given)
+            + "."
         )
     return MeshAxes(
-        axis, expert_axis, mesh.shape[axis], 1 if expert_axis is None else mesh.shape[expert_axis]
+        axis,
+        expert_axis,
+        mesh.shape[axis],
+        1 if expert_axis is None else mesh.shape[expert_axis],
+        replica_axis,
+        1 if replica_axis is None else mesh.shape[replica_axis],
     )
+
+
+def group_mesh(mesh: Mesh, shards: int, *, axis: str = "dp", replica_axis: str = "replica") -> Mesh:
+    """``mesh`` with its ``axis`` split into ``(replica_axis, axis)``: sharding groups of
+    ``shards`` consecutive devices (for :func:`layerwise_muon`'s ``replica_axis``).
+
+    Consecutive devices along ``axis`` share a group, so on a mesh laid out host by
+    host the reduce-scatter and all-gather stay within a host or NVLink domain and
+    only the all-reduce of each shard (``1 / shards`` of the bytes) crosses groups.
+    :func:`lwjax.groups.choose_groups` suggests ``shards``.
+
+    Raises:
+      ValueError: ``axis`` not in the mesh, ``replica_axis`` already in it, or
+        ``shards`` not a divisor of the axis size.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"group_mesh: mesh has axes {mesh.axis_names}; no axis {axis!r}.")
+    if replica_axis in mesh.axis_names:
+        raise ValueError(f"group_mesh: mesh already has an axis named {replica_axis!r}.")
+    size = mesh.shape[axis]
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or size % shards:
+        raise ValueError(
+            f"group_mesh: shards must be a positive divisor of {axis}={size}; got {shards!r}."
+        )
+    i = mesh.axis_names.index(axis)
+    devices = mesh.devices.reshape(
+        mesh.devices.shape[:i] + (size // shards, shards) + mesh.devices.shape[i + 1 :]
+    )
+    names = mesh.axis_names[:i] + (replica_axis, axis) + mesh.axis_names[i + 1 :]
+    return Mesh(devices, names)
 
 
 def _param_spec(route: LeafRoute, expert_axis: str) -> P:

@@ -42,42 +42,63 @@ if TYPE_CHECKING:
 class MeshAxes:
     """The data-parallel mesh axes of a step and which buffers live on which.
 
-    The data-parallel devices span ``(dp, ep)`` (just ``dp`` without expert
-    parallelism). A dense bucket has one shard per data-parallel device, shard
-    ``r`` on the device with ``axis_index((dp, ep)) == r`` (``dp``-major); an
-    expert bucket has one shard per ``dp`` rank inside each expert group.
+    The data-parallel devices span ``(replica, dp, ep)`` (just ``dp`` without
+    sharding groups or expert parallelism); the batch is split over all of them.
+    A sharding group is one ``replica`` index: its ``(dp, ep)`` devices hold one
+    copy of the optimizer state. A dense bucket has one shard per device of a
+    group, shard ``r`` on the device with ``axis_index((dp, ep)) == r``
+    (``dp``-major); an expert bucket has one shard per ``dp`` rank inside each
+    expert group. Gradients are reduce-scattered within a group and summed
+    across groups (:mod:`lwjax.groups` says why in that order).
 
     Attributes:
       dp: The data-parallel axis (Megatron's expert data-parallel group).
       ep: The expert-parallel axis, or ``None`` without expert parallelism.
       dp_size: Size of ``dp``.
       ep_size: Size of ``ep`` (1 when ``ep`` is ``None``).
+      replica: The axis across sharding groups, or ``None`` (one group).
+      replica_size: Size of ``replica`` (1 when ``replica`` is ``None``).
     """
 
     dp: str
     ep: str | None = None
     dp_size: int = 1
     ep_size: int = 1
+    replica: str | None = None
+    replica_size: int = 1
 
     @property
-    def data(self) -> str | tuple[str, str]:
-        """All data-parallel devices: the batch and the dense buffers are split over these axes."""
+    def group(self) -> str | tuple[str, str]:
+        """The devices of one sharding group: dense buffers are split over these axes."""
         return self.dp if self.ep is None else (self.dp, self.ep)
 
     @property
-    def num_data(self) -> int:
-        """Number of data-parallel devices, ``dp * ep``."""
+    def group_size(self) -> int:
+        """Devices in a sharding group, ``dp * ep``."""
         return self.dp_size * self.ep_size
 
+    @property
+    def data(self) -> str | tuple[str, ...]:
+        """All data-parallel devices: the batch is split over these axes."""
+        if self.replica is None:
+            return self.group
+        group = self.group
+        return (self.replica, *(group if isinstance(group, tuple) else (group,)))
+
+    @property
+    def num_data(self) -> int:
+        """Number of data-parallel devices, ``replica * dp * ep``."""
+        return self.replica_size * self.group_size
+
     def of(self, key: BufferKey) -> str | tuple[str, str]:
-        """The axes a buffer is reduce-scattered over and gathered from."""
-        return self.dp if key.is_expert_parallel else self.data
+        """The axes a buffer is reduce-scattered over and gathered from (in one group)."""
+        return self.dp if key.is_expert_parallel else self.group
 
     def state_axes(self, key: BufferKey) -> str | tuple[str, str]:
         """Axes of a buffer's global state arrays: expert buckets ``ep``-major, one per group."""
         if key.is_expert_parallel and self.ep is not None:
             return (self.ep, self.dp)
-        return self.data
+        return self.group
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,7 +118,7 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: boo
     ranks = device_ranks(plan)
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
-    # 3. Norms, clip coefficients and the zero count, from one psum over all data-parallel devices.
+    # 3. Norms, clip coefficients and the zero count, from one psum over a group's devices.
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
     new = update_and_gather(plan, state, grad_shards, ranks, stats)
@@ -134,7 +134,8 @@ def device_ranks(plan: StepPlan) -> list[jax.Array]:
 def reduce_scatter(
     plan: StepPlan, grads, order=None, *, reduced: bool = False
 ) -> list[list[jax.Array]]:
-    """Phases 1–2: pack local gradients divided by ``dp * ep``; reduce-scatter each bucket.
+    """Phases 1–2: pack local gradients divided by the number of data-parallel devices;
+    reduce-scatter each bucket within the sharding group, then sum across groups.
 
     ``order`` lists ``(buffer, bucket)`` pairs in program order (default:
     buffer by buffer); XLA's scheduler may still run them in another. With
@@ -160,6 +161,8 @@ def reduce_scatter(
             shard = lax.dynamic_slice(packed[i][k], (lax.axis_index(axis) * size,), (size,))
         else:
             shard = lax.psum_scatter(packed[i][k], axis, tiled=True)
+            if plan.axes.replica is not None:  # 1/G of the bytes: cheaper after the scatter
+                shard = lax.psum(shard, plan.axes.replica)
         out[i][k] = shard.astype(dtype)
     return out
 
@@ -210,13 +213,13 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
         padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
         zeros = zeros - shards.rank_row(padding, rank)[0]
     sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
-    sums, zeros = lax.psum((sums, jnp.asarray(zeros, jnp.int32)), plan.axes.data)
+    sums, zeros = lax.psum((sums, jnp.asarray(zeros, jnp.int32)), plan.axes.group)
 
     def scaled_norms():
-        peaks = lax.pmax(per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum), plan.axes.data)
+        peaks = lax.pmax(per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum), plan.axes.group)
         scale = jnp.where(peaks > 0, peaks, 1)
         scaled = per_group(lambda x, group: jnp.square(x / scale[group]), jnp.sum, jnp.add)
-        return scale * jnp.sqrt(lax.psum(scaled, plan.axes.data))
+        return scale * jnp.sqrt(lax.psum(scaled, plan.axes.group))
 
     norms = lax.cond(jnp.any(jnp.isinf(sums)), scaled_norms, lambda: jnp.sqrt(sums))
     finite = jnp.all(jnp.isfinite(norms))
@@ -452,7 +455,7 @@ def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats)
         tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
     )
     real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
-    update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.data) / real_numel)
+    update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.group) / real_numel)
     new_params = unpack(
         plan, [tuple(g) for g in gathered], dtypes=[x.dtype for x in jax.tree.leaves(params)]
     )

@@ -1,4 +1,5 @@
-"""The tables of ``lwjax layout``: buffers and their shards, the model summary, policies compared.
+"""The tables of ``lwjax layout``: buffers and their shards, the model summary, policies compared,
+sharding groups.
 
 Each function reads the summaries of :mod:`lwjax.tools.layout_report` and draws
 them with :mod:`lwjax.tools.render`'s helpers; ``rich`` is imported only there,
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lwjax.groups import ShardingOption
 from lwjax.layout import DEFAULT_POLICY, LayoutConfig
 from lwjax.tools.layout_report import BufferSummary, LayoutSummary, PolicyResult
 from lwjax.tools.render import console, count, flops, pct, ratio, table
@@ -281,4 +283,67 @@ def comparison_json(results: Sequence[PolicyResult]) -> list[dict]:
             "flops_balance": r.summary.flops_balance,
         }
         for r in results
+    ]
+
+
+def print_groups(
+    options: Sequence[ShardingOption],
+    chosen: ShardingOption,
+    *,
+    model: str,
+    specs: Sequence,
+    dp: int,
+    max_padding: float,
+) -> None:
+    """Print every sharding-group size and policy for ``dp`` ranks, the chosen one in green."""
+    out = console()
+    total = sum(spec.numel for spec in specs)
+    rows = table(
+        f"Sharding groups for {model}: {count(total)} elements, dp {dp}; chosen: groups of "
+        f"{chosen.shards} ({chosen.policy}), padding <= {100 * max_padding:g}% and least "
+        "NS work on the busiest rank",
+        [
+            "group size",
+            "groups",
+            "policy",
+            "buffer size",
+            "padding",
+            "state el./device",
+            "grad el. sent/device",
+            "max rank NS FLOPs",
+        ],
+    )
+    for option in options:
+        cells = [
+            str(option.shards),
+            str(option.replicas),
+            option.policy,
+            count(option.numel),
+            pct(100 * option.padding),
+            count(option.state_numel_per_device),
+            count(round(option.reduced_numel_per_device)),
+            flops(option.max_rank_ns_flops),
+        ]
+        if option is chosen:
+            cells = [f"[bold green]{c}[/]" for c in cells]
+        rows.add_row(*cells)
+    out.print(rows)
+
+
+def groups_json(options: Sequence[ShardingOption], chosen: ShardingOption) -> list[dict]:
+    """The sharding-group options as the JSON of ``layout --groups --json``."""
+    return [
+        {
+            "shards": o.shards,
+            "replicas": o.replicas,
+            "policy": o.policy,
+            "numel": o.numel,
+            "real_numel": o.real_numel,
+            "padding": o.padding,
+            "state_numel_per_device": o.state_numel_per_device,
+            "reduced_numel_per_device": o.reduced_numel_per_device,
+            "max_rank_ns_flops": o.max_rank_ns_flops,
+            "chosen": o is chosen,
+        }
+        for o in options
     ]

@@ -1,8 +1,9 @@
 """``lwjax layout``: how a model's parameters are laid out over data-parallel ranks.
 
 Shows buckets, per-shard loads in elements and Newton–Schulz FLOPs, padding
-overhead and max/mean balance, for one layout policy or (``--compare``) for all
-of them side by side. With ``--json`` it prints machine-readable layouts in the
+overhead and max/mean balance, for one layout policy, for all of them side by
+side (``--compare``), or for every sharding-group size and policy (``--groups``).
+With ``--json`` it prints machine-readable layouts in the
 format of ``tests/fixtures/layouts``. Runs without jax.
 
 Examples::
@@ -10,6 +11,7 @@ Examples::
     lwjax layout --preset llama8b --dp 8
     lwjax layout --preset moe --dp 8 --expert-dp 4 --bucket-size 40000000 --compare
     lwjax layout --spec params.json --policy lpt --dp 4 --json
+    lwjax layout --preset llama8b --dp 1024 --groups
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import pathlib
 
 from lwjax.cost import DEFAULT_NUM_NS_STEPS
+from lwjax.groups import MAX_PADDING, choose_groups, sharding_options
 from lwjax.layout import DEFAULT_POLICY, POLICIES, LayoutConfig
 from lwjax.policies import compute_layout
 from lwjax.tools.commands.bench import bucket_size_arg
@@ -30,7 +33,13 @@ from lwjax.tools.layout_report import (
 )
 from lwjax.tools.presets import PRESETS, preset_specs, specs_from_json
 from lwjax.tools.render import print_json
-from lwjax.tools.render_layout import comparison_json, print_comparison, print_layout
+from lwjax.tools.render_layout import (
+    comparison_json,
+    groups_json,
+    print_comparison,
+    print_groups,
+    print_layout,
+)
 
 
 def _load_spec_file(path: str):
@@ -64,6 +73,19 @@ def _cmd_layout(args: argparse.Namespace) -> int:
         num_ns_steps=args.ns_steps,
     )
     shown = dict(model=model, specs=specs, dp=args.dp, expert_dp=args.expert_dp, layout=layout)
+    if args.groups:
+        if args.expert_dp is not None:
+            raise ValueError("--groups: sharding groups of expert buffers are not supported.")
+        options = sharding_options(specs, args.dp, layout, policies=POLICIES)
+        best = choose_groups(specs, args.dp, layout, max_padding=args.max_padding)
+        chosen = next(o for o in options if (o.shards, o.policy) == (best.shards, best.policy))
+        if args.json:
+            print_json(groups_json(options, chosen))
+        else:
+            print_groups(
+                options, chosen, model=model, specs=specs, dp=args.dp, max_padding=args.max_padding
+            )
+        return 0
     if args.compare:
         results = compare_policies(specs, args.dp, layout, **options)
         if args.json:
@@ -151,6 +173,19 @@ def add_parser(subparsers) -> None:
         f"(default {DEFAULT_NUM_NS_STEPS})",
     )
     p.add_argument("--compare", action="store_true", help="compare all policies side by side")
+    p.add_argument(
+        "--groups",
+        action="store_true",
+        help="sharding groups (Megatron's num_optimizer_shards): lay the model out over every "
+        "divisor of --dp under every policy, and show the chosen group size",
+    )
+    p.add_argument(
+        "--max-padding",
+        type=float,
+        default=MAX_PADDING,
+        metavar="F",
+        help=f"with --groups: the largest padding, a fraction (default {MAX_PADDING})",
+    )
     p.add_argument(
         "--json",
         action="store_true",
