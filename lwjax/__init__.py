@@ -24,6 +24,7 @@ from lwjax.routing import route_leaves as route_leaves
 if TYPE_CHECKING:
     from lwjax.checkpoint import restore as restore
     from lwjax.checkpoint import save as save
+    from lwjax.checkpoint_manager import CheckpointManager as CheckpointManager
     from lwjax.logical import from_logical as from_logical
     from lwjax.logical import to_logical as to_logical
     from lwjax.muon import MuonConfig as MuonConfig
@@ -44,6 +45,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 _LAZY = {
     "restore": "lwjax.checkpoint",
     "save": "lwjax.checkpoint",
+    "CheckpointManager": "lwjax.checkpoint_manager",
     "from_logical": "lwjax.logical",
     "to_logical": "lwjax.logical",
     "MuonConfig": "lwjax.muon",

@@ -12,8 +12,9 @@ On disk (orbax-checkpoint, one composite checkpoint)::
 
     <path>/arrays/   every array, named ``params/<leaf path>``, ``state/masters/<leaf path>``,
                      ``state/momenta/...``, ``state/elementwise/...``, ``state/count``
-    <path>/lwjax/    a JSON record: format version, step, leaf routing, and each
-                     array's shape, dtype and fingerprint
+    <path>/lwjax/    a JSON record (:mod:`lwjax.checkpoint_record`): format version, step,
+                     leaf routing, elementwise transform, and each array's shape, dtype
+                     and fingerprint
 
 Saves are atomic: orbax writes ``<path>.orbax-checkpoint-tmp`` and renames it
 when complete, so an interrupted save leaves nothing at ``<path>``;
@@ -23,9 +24,9 @@ it in only once it has committed (the old one goes through
 ``<path>.lwjax-old``), so a crash at any point leaves a complete checkpoint
 that :func:`restore` finds: the old one, or the new one between the two
 renames of the swap. The next save to ``<path>`` finishes or clears what an
-interrupted overwrite left. Before anything
-is read, the record is checked against the target (missing or unexpected
-arrays, shapes, dtypes, routing); after reading, every array's fingerprint
+interrupted overwrite left. Before anything is read, the record is checked
+against the target (missing or unexpected arrays, shapes, dtypes, routing,
+another elementwise transform); after reading, every array's fingerprint
 (position-weighted sums of its bits) is checked, so a truncated or corrupted
 file raises ``ValueError`` instead of restoring damaged state. Saving works on
 multi-host global arrays (orbax writes each host's shards) and, with
@@ -35,31 +36,40 @@ multi-host global arrays (orbax writes each host's shards) and, with
 from __future__ import annotations
 
 import json
+import re
+import sys
+import traceback
 from collections.abc import Mapping, Sequence
-from importlib.metadata import version as _version
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax.checkpoint_record import (
+    FORMAT,
+    FORMAT_VERSION,
+    build_contents,
+    check_record,
+    mismatches,
+    named_leaves,
+    state_structure,
+    transform_name,
+)
+from lwjax.checkpoint_record import fingerprints as fingerprints
 from lwjax.logical import LogicalState, from_logical, logical_sharding, to_logical
 from lwjax.optimizer import LayerwiseOptimizer
-from lwjax.routing import LeafRoute, path_name
+from lwjax.routing import LeafRoute
 from lwjax.step import LayerwiseState
 
-FORMAT = "lwjax.checkpoint"
-FORMAT_VERSION = 1
 ARRAYS_ITEM = "arrays"
 RECORD_ITEM = "lwjax"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 NEW_SUFFIX = ".lwjax-new"  # an overwrite's new checkpoint, until it is swapped in
 OLD_SUFFIX = ".lwjax-old"  # the overwritten checkpoint, while the new one is swapped in
-_MIX = (0x9E3779B1, 0x7F4A7C15, 0x85EBCA77)
 
 
 class AsyncSave:
@@ -82,80 +92,6 @@ def _ocp():
     import orbax.checkpoint as ocp
 
     return ocp
-
-
-def _bits_np(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x)
-    if x.dtype.itemsize == 8:
-        return x.view(np.uint32).astype(np.uint32)
-    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
-    return x.view(view).astype(np.uint32)
-
-
-def _fingerprint_np(x) -> str:
-    bits = _bits_np(np.asarray(x)).reshape(-1)
-    with np.errstate(over="ignore"):
-        mix = np.arange(bits.size, dtype=np.uint32) * np.uint32(_MIX[0]) + np.uint32(_MIX[1])
-        h1 = np.sum(bits * (mix | np.uint32(1)), dtype=np.uint32)
-        h2 = np.sum((bits ^ mix) * np.uint32(_MIX[2]) + (bits >> np.uint32(13)), dtype=np.uint32)
-    return f"{int(h1):08x}{int(h2):08x}"
-
-
-def _bits_jnp(x):
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    view = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-    return lax.bitcast_convert_type(x, view).astype(jnp.uint32)
-
-
-@jax.jit
-def _fingerprints_jnp(arrays: dict):
-    """Two uint32 position-weighted sums of each array's bits; exact under any sharding."""
-    out = {}
-    for name, x in arrays.items():
-        bits = _bits_jnp(x).reshape(-1)
-        mix = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1])
-        h1 = jnp.sum(bits * (mix | jnp.uint32(1)), dtype=jnp.uint32)
-        h2 = jnp.sum(
-            (bits ^ mix) * jnp.uint32(_MIX[2]) + (bits >> jnp.uint32(13)), dtype=jnp.uint32
-        )
-        out[name] = jnp.stack([h1, h2])
-    return out
-
-
-def fingerprints(arrays: Mapping[str, Any]) -> dict[str, str]:
-    """A 64-bit fingerprint of every array (numpy and jax agree bit for bit)."""
-    device = {k: v for k, v in arrays.items() if isinstance(v, jax.Array) and v.dtype.itemsize <= 4}
-    out = {k: _fingerprint_np(v) for k, v in arrays.items() if k not in device}
-    if device:
-        for name, pair in jax.device_get(_fingerprints_jnp(device)).items():
-            out[name] = f"{int(pair[0]):08x}{int(pair[1]):08x}"
-    return {k: out[k] for k in arrays}
-
-
-def _named(tree) -> tuple[dict[str, Any], Any]:
-    """``name -> leaf`` (names from key paths, ``/``-joined) and the tree's structure."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    named = {}
-    for key_path, leaf in leaves:
-        name = path_name(key_path)
-        if name in named:
-            raise ValueError(
-                f"{name}: two leaves share this checkpoint name; leaf names must be unique."
-            )
-        named[name] = leaf
-    return named, treedef
-
-
-def _route_record(route: LeafRoute) -> dict:
-    return {
-        "path": route.path,
-        "shape": list(route.shape),
-        "dtype": route.dtype,
-        "stack_dims": route.stack_dims,
-        "is_muon": route.is_muon,
-        "qkv_split_shapes": list(route.qkv_split_shapes or []) or None,
-    }
 
 
 def _as_path(path) -> epath.Path:
@@ -199,12 +135,15 @@ def save_logical(
     async_save: bool = False,
     overwrite: bool = False,
     matrix_convention: str = "in_out",
+    elementwise_transform: str | None = None,
 ) -> AsyncSave | None:
     """Save parameters and a :class:`LogicalState` (see :func:`save`, which calls this).
 
     Args:
       path: Checkpoint directory to create.
-      params: The parameter pytree (jax or numpy arrays).
+      params: The parameter pytree (jax or numpy arrays; numpy arrays are
+        stored in the dtype jax holds them in, e.g. float64 as float32 while
+        ``jax_enable_x64`` is off, as ``init`` and the step see them).
       logical: The logical optimizer state (jax or numpy leaves).
       routes: The parameters' routing (``optimizer.plan.routes``), recorded so
         a restore can name routing differences.
@@ -216,28 +155,25 @@ def save_logical(
       matrix_convention: How the saved 2-D parameters are stored (``"in_out"``
         or ``"out_in"``, :class:`~lwjax.optimizer.OptimizerConfig`); a restore
         into an optimizer of the other convention is refused.
+      elementwise_transform: Name of the elementwise optax transform that made
+        ``logical.elementwise``
+        (:func:`~lwjax.checkpoint_record.transform_name`), or ``None`` if
+        unknown; a restore into an optimizer with another one is refused.
 
     Returns:
       An :class:`AsyncSave` when ``async_save``, else ``None`` once committed.
     """
     path = _as_path(path)
     _check_new_path(path, overwrite)
-    arrays, _ = _named({"params": params, "state": logical})
-    record = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "lwjax_version": _version("lwjax"),
-        "jax_version": jax.__version__,
-        "step": int(step if step is not None else np.asarray(jax.device_get(logical.count))),
-        "matrix_convention": matrix_convention,
-        "routes": [_route_record(r) for r in routes],
-        "arrays": {
-            name: {"shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).name, "fingerprint": fp}
-            for (name, x), fp in zip(arrays.items(), fingerprints(arrays).values())
-        },
-        "metadata": dict(metadata or {}),
-    }
-    json.dumps(record)  # fail before writing anything if metadata is not JSON
+    arrays, record = build_contents(
+        params,
+        logical,
+        routes,
+        step=step,
+        metadata=metadata,
+        matrix_convention=matrix_convention,
+        elementwise_transform=elementwise_transform,
+    )
     # An overwrite writes beside the old checkpoint and swaps the new one in once committed.
     written = _sibling(path, NEW_SUFFIX) if path.exists() else path
     if written != path:
@@ -250,16 +186,46 @@ def save_logical(
     return None
 
 
+def checkpoint_args(
+    params,
+    state: LayerwiseState,
+    optimizer: LayerwiseOptimizer,
+    *,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+):
+    """The orbax ``Composite`` args that :func:`save` writes for ``(params, state)``.
+
+    For orbax APIs that take args, such as the step directories of
+    :class:`lwjax.checkpoint_manager.CheckpointManager`. Arguments as :func:`save`'s.
+    """
+    logical = to_logical(optimizer, state)
+    fields = dict(step=step, metadata=metadata, **_options(optimizer))
+    return _composite(*build_contents(params, logical, optimizer.plan.routes, **fields))
+
+
+def _options(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
+    """What a record notes about the optimizer besides routes (checked by :func:`restore`)."""
+    return {
+        "matrix_convention": optimizer.plan.config.matrix_convention,
+        "elementwise_transform": transform_name(optimizer.plan.elementwise),
+    }
+
+
 def _write(path: epath.Path, arrays: Mapping[str, Any], record: Mapping, async_save: bool):
     """Start orbax's save of the arrays and the record to the new ``path``; the checkpointer."""
     ocp = _ocp()
     handler = ocp.CompositeCheckpointHandler()
     checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
-    args = ocp.args.Composite(
-        **{ARRAYS_ITEM: ocp.args.StandardSave(arrays), RECORD_ITEM: ocp.args.JsonSave(record)}
-    )
-    checkpointer.save(path, args)
+    checkpointer.save(path, _composite(arrays, record))
     return checkpointer
+
+
+def _composite(arrays: Mapping[str, Any], record: Mapping):
+    ocp = _ocp()
+    return ocp.args.Composite(
+        **{ARRAYS_ITEM: ocp.args.StandardSave(dict(arrays)), RECORD_ITEM: ocp.args.JsonSave(record)}
+    )
 
 
 def _sibling(path: epath.Path, suffix: str) -> epath.Path:
@@ -365,7 +331,7 @@ def save(
         metadata=metadata,
         async_save=async_save,
         overwrite=overwrite,
-        matrix_convention=optimizer.plan.config.matrix_convention,
+        **_options(optimizer),
     )
 
 
@@ -429,30 +395,8 @@ def read_record(path) -> dict:
             f"{path}: checkpoint format version {record.get('format_version')!r}; this lwjax reads "
             f"version {FORMAT_VERSION}."
         )
-    _check_record(record, path)
+    check_record(record, path)
     return dict(record)
-
-
-def _check_record(record: Mapping, path: epath.Path) -> None:
-    """Refuse a record whose fields a bit flip or an edit has damaged, naming the field."""
-    arrays = record.get("arrays")
-    if not isinstance(arrays, Mapping):
-        raise ValueError(f"{path}: damaged checkpoint record: 'arrays' is not a mapping.")
-    for name, entry in arrays.items():
-        ok = (
-            isinstance(entry, Mapping)
-            and isinstance(entry.get("shape"), list)
-            and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
-            and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("fingerprint"), str)
-        )
-        if not ok:
-            raise ValueError(
-                f"{path}: damaged checkpoint record: arrays[{name!r}] needs a shape (list of "
-                f"sizes), a dtype and a fingerprint; got {entry!r}."
-            )
-    if not isinstance(record.get("step"), int) or not isinstance(record.get("routes"), list):
-        raise ValueError(f"{path}: damaged checkpoint record: 'step' or 'routes' is missing.")
 
 
 def _target(optimizer: LayerwiseOptimizer, params_like):
@@ -461,9 +405,12 @@ def _target(optimizer: LayerwiseOptimizer, params_like):
     if params_like is None:
         leaves = [jax.ShapeDtypeStruct(r.shape, jnp.dtype(r.dtype)) for r in optimizer.plan.routes]
         params_like = jax.tree_util.tree_unflatten(optimizer.plan.treedef, leaves)
+    # In the dtypes jax holds (init casts float64 to float32 while x64 is off), as saved.
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=getattr(x, "sharding", None) or replicated
+            x.shape,
+            jax.dtypes.canonicalize_dtype(x.dtype),
+            sharding=getattr(x, "sharding", None) or replicated,
         ),
         params_like,
     )
@@ -479,70 +426,17 @@ def _target(optimizer: LayerwiseOptimizer, params_like):
     return {"params": abstract_params, "state": abstract_logical}
 
 
-def _describe(entry) -> str:
-    return f"{entry['dtype']}{list(entry['shape'])}"
-
-
-def _mismatches(
-    record: Mapping,
-    target: Mapping[str, jax.ShapeDtypeStruct],
-    routes: Sequence[LeafRoute],
-    convention: str,
-) -> list[str]:
-    saved = record["arrays"]
-    problems = []
-    saved_convention = record.get("matrix_convention")  # unrecorded (so unchecked) before 0.3
-    if saved_convention is not None and saved_convention != convention:
-        problems.append(
-            f"matrix_convention: the checkpoint's matrices are {saved_convention!r}, the target "
-            f"optimizer's {convention!r} (Muon's scale and QKV split would read the wrong axis)"
-        )
-    saved_routes = {r["path"]: r for r in record.get("routes", [])}
-    for route in routes:
-        old = saved_routes.get(route.path)
-        if old is not None and bool(old["is_muon"]) != route.is_muon:
-            kinds = ("Muon", "elementwise")
-            problems.append(
-                f"routing: {route.path} is {kinds[not old['is_muon']]} in the checkpoint but "
-                f"{kinds[not route.is_muon]} in the target optimizer"
-            )
-    for name in target:
-        if name not in saved:
-            want = target[name]
-            problems.append(
-                f"missing: {name} (target {np.dtype(want.dtype).name}{list(want.shape)})"
-            )
-    for name in saved:
-        if name not in target:
-            problems.append(f"unexpected: {name} ({_describe(saved[name])}) is not in the target")
-    for name, want in target.items():
-        have = saved.get(name)
-        if have is None:
-            continue
-        if tuple(have["shape"]) != tuple(want.shape):
-            problems.append(
-                f"shape: {name}: checkpoint {tuple(have['shape'])}, target {tuple(want.shape)}"
-            )
-        if have["dtype"] != np.dtype(want.dtype).name:
-            problems.append(
-                f"dtype: {name}: checkpoint {have['dtype']}, target {np.dtype(want.dtype).name}"
-            )
-    return problems
-
-
 def _read_arrays(
     path: epath.Path, target: Mapping[str, jax.ShapeDtypeStruct], record: Mapping
 ) -> dict:
     ocp = _ocp()
+    _drop_late_loop_callbacks()
     try:
         restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
             path, ocp.args.Composite(**{ARRAYS_ITEM: ocp.args.StandardRestore(dict(target))})
         )[ARRAYS_ITEM]
     except Exception as err:  # tensorstore / orbax errors on damaged files
-        raise ValueError(
-            f"{path}: the checkpoint's array data is unreadable (truncated or corrupted?): "
-            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
-        ) from None
+        raise ValueError(_unreadable(path, err)) from None
     got = fingerprints(restored)
     bad = [name for name in target if got[name] != record["arrays"][name]["fingerprint"]]
     if bad:
@@ -551,6 +445,53 @@ def _read_arrays(
             f"fingerprints recorded at save time: {bad}. Nothing was restored."
         )
     return restored
+
+
+def _unreadable(path: epath.Path, err: Exception) -> str:
+    """One line for a tensorstore read error: the damaged file first, without the JSON specs."""
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    text = re.sub(r" \[tensorstore_spec(\[\d+\])?='[^']*'\]", "", text)
+    files = re.findall(r'local file "([^"]+)"', text)
+    where = f" in {files[-1]}" if files else ""
+    return f"{path}: array data{where} is unreadable (truncated or corrupted?): {text}"
+
+
+def _is_late_loop_callback(unraisable) -> bool:
+    """A tensorstore read finishing after orbax closed the event loop that awaited it.
+
+    When one array of a damaged checkpoint fails, orbax raises and closes its
+    event loop at once; reads still in flight finish later on tensorstore's
+    threads, and each one's ``call_soon_threadsafe`` onto the closed loop
+    raises, unraisable: hundreds of identical tracebacks that say nothing the
+    raised error does not. Only a call entered from outside Python (first
+    traceback frame) on a closed loop matches.
+    """
+    if unraisable.exc_type is not RuntimeError or str(unraisable.exc_value) != (
+        "Event loop is closed"
+    ):
+        return False
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    return bool(frames) and frames[0].name == "call_soon_threadsafe"
+
+
+class _DropLateLoopCallbacks:
+    """A :data:`sys.unraisablehook` that drops :func:`_is_late_loop_callback` reports only."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable):
+        if not _is_late_loop_callback(unraisable):
+            self.previous(unraisable)
+
+
+def _drop_late_loop_callbacks() -> None:
+    """Install :class:`_DropLateLoopCallbacks` (once) before orbax reads arrays.
+
+    It stays: the late callbacks arrive after the read has raised.
+    """
+    if not isinstance(sys.unraisablehook, _DropLateLoopCallbacks):
+        sys.unraisablehook = _DropLateLoopCallbacks(sys.unraisablehook)
 
 
 def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any, LayerwiseState]:
@@ -579,9 +520,17 @@ def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any,
     path = _checked_path(path)
     record = read_record(path)
     tree = _target(optimizer, params_like)
-    target, treedef = _named(tree)
-    problems = _mismatches(
-        record, target, optimizer.plan.routes, optimizer.plan.config.matrix_convention
+    target, treedef = named_leaves(tree)
+    elementwise = {
+        "transform": transform_name(optimizer.plan.elementwise),
+        "state": state_structure(tree["state"].elementwise, tree["params"]),
+    }
+    problems = mismatches(
+        record,
+        target,
+        optimizer.plan.routes,
+        optimizer.plan.config.matrix_convention,
+        elementwise,
     )
     if problems:
         raise ValueError(
@@ -598,10 +547,21 @@ def load_arrays(path) -> tuple[dict[str, np.ndarray], dict]:
     """Every array of a checkpoint as host numpy arrays, by name, plus the record (for converters).
 
     Raises:
-      ValueError: an incomplete, truncated or corrupted checkpoint.
+      ValueError: an incomplete, truncated or corrupted checkpoint, or 64-bit
+        arrays while ``jax_enable_x64`` is off.
     """
     path = _checked_path(path)
     record = read_record(path)
+    wide = [
+        n
+        for n, e in record["arrays"].items()
+        if jax.dtypes.canonicalize_dtype(e["dtype"]) != e["dtype"]
+    ]
+    if wide:
+        raise ValueError(
+            f"{path}: {wide} are 64-bit, which jax holds only with jax_enable_x64; set "
+            "JAX_ENABLE_X64=1 to read this checkpoint."
+        )
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = {
         name: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]), sharding=device)

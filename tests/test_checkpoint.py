@@ -1,6 +1,7 @@
 """lwjax checkpoints: restore at any dp size and policy, atomic saves, and clear
 errors on bad input."""
 
+import asyncio
 import json
 import os
 import pathlib
@@ -8,15 +9,20 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from etils import epath
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.path import atomicity
 
+import lwjax
 from lwjax import LayoutConfig, RoutingRules, checkpoint
 from lwjax.logical import from_logical, to_logical
 from lwjax.muon import MuonConfig
@@ -353,3 +359,223 @@ def test_a_damaged_record_field_is_named(tmp_path):
     record_file.write_text(text.replace('"fingerprint"', '"fingerprinT"', 1))
     with pytest.raises(ValueError, match=r"damaged checkpoint record: arrays\['params/"):
         checkpoint.restore(path, _optimizer(params, 2, "lpt"))
+
+
+# The checkpoint manager, float64 numpy parameters, another optimizer's state, damaged arrays.
+
+
+def _small(dp=2, **options):
+    """Parameters of two routes (a Muon matrix, an AdamW bias) and an optimizer over them."""
+    params = {"w": jnp.arange(128, dtype=jnp.float32).reshape(16, 8) / 128, "b": jnp.ones(8)}
+    return params, layerwise_muon(params, mesh_of(dp), **options)
+
+
+def _scaled(params, k):
+    return jax.tree.map(lambda x: x * k, params)
+
+
+def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path, monkeypatch):
+    params, opt = _small(dp=2)
+    state = opt.init(params)
+    manager = lwjax.CheckpointManager(tmp_path / "run", max_to_keep=2)
+    for step in (1, 2, 3):
+        manager.save(step, _scaled(params, step), state, opt, metadata={"note": step})
+    assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["2", "3"]
+    # Each step directory is an ordinary lwjax checkpoint.
+    assert checkpoint.read_record(manager.step_path(2))["metadata"] == {"note": 2}
+    # Restore the latest at dp 4 and an older step at dp 1.
+    p4, s4 = manager.restore(_small(dp=4)[1])
+    _assert_trees_equal(p4, _scaled(params, 3))
+    _assert_trees_equal(to_logical(_small(dp=4)[1], s4), to_logical(opt, state))
+    p1, _ = manager.restore(_small(dp=1)[1], step=2)
+    _assert_trees_equal(p1, _scaled(params, 2))
+    # A half-written step is no step; a new manager on the directory clears it away.
+    (tmp_path / "run" / f"4{checkpoint.TMP_SUFFIX}-123").mkdir()
+    assert manager.latest_step() == 3
+    with lwjax.CheckpointManager(tmp_path / "run", max_to_keep=2, async_save=True) as again:
+        assert again.all_steps() == [2, 3]
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["2", "3"]
+        # While step 4 is written in the background it is not a step, and step 2 stays.
+        real_commit, may_commit = atomicity.AtomicRenameTemporaryPath.finalize, threading.Event()
+
+        async def held_commit(self, *args, **kwargs):
+            may_commit.wait(60)
+            return await real_commit(self, *args, **kwargs)
+
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held_commit)
+        again.save(4, _scaled(params, 4), state, opt)
+        assert again.latest_step() == 3 and (tmp_path / "run" / "2").is_dir()
+        _assert_trees_equal(again.restore(opt)[0], _scaled(params, 3))
+        may_commit.set()
+        again.wait_until_finished()
+        assert again.all_steps() == [3, 4]
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["3", "4"]
+        _assert_trees_equal(again.restore(opt)[0], _scaled(params, 4))
+
+
+_MANAGER_KILLED = textwrap.dedent("""
+    import os, signal, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    from orbax.checkpoint._src.path import atomicity
+    import lwjax
+
+    params = {"w": np.ones((16, 8), np.float32), "b": np.zeros(8, np.float32)}
+    opt = lwjax.layerwise_muon(params, Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    manager = lwjax.CheckpointManager(sys.argv[1], max_to_keep=1)
+    manager.save(1, params, opt.init(params), opt)
+
+    async def killed(self):  # die after step 2's data is written, before its commit rename
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = killed
+    manager.save(2, jax.tree.map(lambda x: x + 1, params), opt.init(params), opt)
+    print("save returned")
+""")
+
+
+def test_checkpoint_manager_killed_mid_save_keeps_the_previous_latest(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _MANAGER_KILLED, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    left = sorted(p.name for p in run.iterdir())
+    assert left[0] == "1" and len(left) == 2 and checkpoint.TMP_SUFFIX in left[1], left
+    params, opt = _small(dp=2)
+    manager = lwjax.CheckpointManager(run, max_to_keep=1)
+    assert manager.all_steps() == [1]  # step 2 never committed; step 1 was not deleted for it
+    restored, _ = manager.restore(opt)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((16, 8), np.float32))
+    manager.save(2, params, opt.init(params), opt)
+    assert sorted(p.name for p in run.iterdir()) == ["2"]
+
+
+def test_checkpoint_manager_bad_arguments_are_named(tmp_path):
+    params, opt = _small(dp=1)
+    state = opt.init(params)
+    for options, error, message in (
+        ({"max_to_keep": 0}, ValueError, "max_to_keep must be >= 1 or None; got 0"),
+        ({"max_to_keep": "3"}, TypeError, "max_to_keep must be an int or None, but got str"),
+        ({"step_prefix": "a/b"}, ValueError, "step_prefix must be a name without '/'"),
+        ({"step_format_fixed_length": 0}, ValueError, "step_format_fixed_length must be >= 1"),
+    ):
+        with pytest.raises(error, match=message):
+            lwjax.CheckpointManager(tmp_path / "run", **options)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        lwjax.CheckpointManager(tmp_path / "file")
+    manager = lwjax.CheckpointManager(tmp_path / "run", step_prefix="step")
+    with pytest.raises(ValueError, match="no complete checkpoint to restore"):
+        manager.restore(opt)
+    for step, error in ((-1, ValueError), (1.5, TypeError), (None, TypeError)):
+        with pytest.raises(error, match="CheckpointManager.save: step must"):
+            manager.save(step, params, state, opt)
+    manager.save(5, params, state, opt)
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_5"]
+    with pytest.raises(ValueError, match="step 5 is not after the latest step 5"):
+        manager.save(5, params, state, opt)
+    with pytest.raises(
+        ValueError, match=r"no complete checkpoint for step 4; complete steps: \[5\]"
+    ):
+        manager.restore(opt, step=4)
+    reader = lwjax.CheckpointManager(tmp_path / "run", step_prefix="step", read_only=True)
+    assert reader.latest_step() == 5
+    with pytest.raises(ValueError, match="read_only"):
+        reader.save(6, params, state, opt)
+
+
+def test_float64_numpy_params_restore_into_the_same_optimizer(tmp_path):
+    """With x64 off, jax holds float64 numpy parameters as float32 (init and the step cast
+    them): the checkpoint stores and the restore expects what jax holds, for the numpy
+    parameters as given and for the float32 ones a step returns."""
+    assert not jax.config.jax_enable_x64
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((16, 8)), "b": np.zeros(8)}  # float64 numpy
+    opt = layerwise_muon(params, mesh_of(2))
+    state = opt.init(params)
+    held = jax.tree.map(jnp.asarray, params)  # float32, as a step returns them
+    for name, saved in (("numpy", params), ("jax", held)):
+        checkpoint.save(tmp_path / name, saved, state, opt)
+        restored, restored_state = checkpoint.restore(tmp_path / name, opt)
+        _assert_trees_equal(restored, held)
+        _assert_trees_equal(to_logical(opt, restored_state), to_logical(opt, state))
+    assert checkpoint.read_record(tmp_path / "numpy")["arrays"]["params/w"]["dtype"] == "float32"
+
+
+def test_a_state_of_another_elementwise_transform_is_refused(tmp_path):
+    """Same array names and shapes, another transform: refused, naming both. Hyper-parameters
+    (betas, learning rates, Muon's momentum) may change on resume."""
+    params, opt = _small(dp=2)
+    checkpoint.save(tmp_path / "adam", params, opt.init(params), opt)
+    for transform, message in (
+        (
+            optax.scale_by_belief(),
+            r"elementwise: the checkpoint's state is ScaleByAdamState\(count=\*, mu=\*, nu=\*\), "
+            r"the target optimizer's ScaleByBeliefState\(count=\*, mu=\*, nu=\*\)",
+        ),
+        (
+            optax.scale_by_adamax(),
+            "elementwise: the checkpoint's state was made by scale_by_adam, the target "
+            "optimizer uses scale_by_adamax",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            checkpoint.restore(tmp_path / "adam", _small(dp=2, elementwise=transform)[1])
+    retuned = _small(dp=4, elementwise=optax.scale_by_adam(b1=0.8), muon=MuonConfig(momentum=0.5))
+    checkpoint.restore(tmp_path / "adam", retuned[1])
+
+
+def _complete_after_its_loop_closed():
+    """What each late read does: a tensorstore future completes after the event loop that
+    awaited it was closed (orbax closes it as soon as the first read fails)."""
+    import tensorstore as ts
+
+    promise, future = ts.Promise.new()
+
+    async def wait():
+        await future
+
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda *_: None)  # no "Task was destroyed" log for the test's task
+    loop.run_until_complete(asyncio.sleep(0, loop.create_task(wait())))
+    loop.close()
+    promise.set_result(None)
+
+
+def test_damaged_arrays_raise_one_error_naming_the_file_without_event_loop_noise(
+    tmp_path, capfd, monkeypatch
+):
+    """Reads still in flight when the first one fails used to print a traceback each
+    ("Event loop is closed", ~1,700 lines for a large checkpoint); other unraisable
+    exceptions are still reported."""
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # print, as outside pytest
+    rng = np.random.default_rng(0)
+    params = {f"w{i}": rng.standard_normal((16, 8)).astype(np.float32) for i in range(24)}
+    opt = layerwise_muon(params, mesh_of(1))
+    checkpoint.save(tmp_path / "ckpt", params, opt.init(params), opt)
+    for data in _data_files(tmp_path / "ckpt"):
+        if data.parent.parent.name == "arrays":  # the arrays' index: every read fails
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2] ^= 0x5A
+            data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"array data in \S+/arrays/d/\w+ is unreadable") as err:
+        checkpoint.restore(tmp_path / "ckpt", opt)
+    assert "tensorstore_spec" not in str(err.value) and "\n" not in str(err.value)
+    _complete_after_its_loop_closed()
+    time.sleep(0.2)  # let the late reads finish
+
+    class Unraisable:
+        def __del__(self):
+            raise RuntimeError("still reported")
+
+    Unraisable()
+    stderr = capfd.readouterr().err
+    assert "Event loop is closed" not in stderr and len(stderr.splitlines()) < 20, stderr[-3000:]
+    assert "still reported" in stderr

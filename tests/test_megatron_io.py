@@ -2,9 +2,11 @@
 agreement with torch."""
 
 import io
+import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -307,3 +309,353 @@ def test_expanded_tensor_views_are_refused_before_they_are_copied():
     np.testing.assert_array_equal(
         pickle_io._rebuild_tensor(storage, 0, (32, 32), (32, 1)), storage.reshape(32, 32)
     )
+
+
+# --------------------------------------------------------------------------- hostile sizes
+# Each file below is small and asks the reader for gigabytes, a crash or hours of work. Each is
+# refused with DamagedCheckpointError in well under a second, before the memory is allocated:
+# the cases run in one child process whose address space is limited, and whose peak memory is
+# checked per case.
+
+
+class _Global:
+    """Pickles as the global it names (a hostile file may name any of torch's classes)."""
+
+    def __init__(self, qualified: str):
+        self.qualified = qualified
+
+    def __reduce__(self):
+        return self.qualified  # a string: written as a global
+
+    def __call__(self):  # pickle asks that what it writes as a callable be one
+        raise NotImplementedError
+
+
+class _Call:
+    """Pickles as ``qualified(*args)``, then BUILD with ``state`` when given."""
+
+    def __init__(self, qualified: str, *args, **state):
+        self.func, self.args, self.state = _Global(qualified), args, state or None
+
+    def __reduce__(self):
+        return (self.func, self.args, self.state)
+
+
+class _Storage:
+    """A ``torch.save`` persistent id: storage ``key`` of ``numel`` float32 elements."""
+
+    def __init__(self, key: str, numel: int):
+        self.pid = ("storage", _Global("torch.FloatStorage"), key, "cpu", numel)
+
+
+class _Writer(pickle._Pickler):
+    def save_global(self, obj, name=None):
+        module, _, attr = obj.qualified.rpartition(".")
+        self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode())
+        self.memoize(obj)
+
+    def persistent_id(self, obj):
+        return obj.pid if isinstance(obj, _Storage) else None
+
+
+def _dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    _Writer(buffer, protocol=2).dump(obj)
+    return buffer.getvalue()
+
+
+def _tensor(storage: _Storage, size: tuple[int, ...]) -> _Call:
+    stride = tuple(int(np.prod(size[i + 1 :])) for i in range(len(size)))
+    return _Call("torch._utils._rebuild_tensor_v2", storage, 0, size, stride, False, {})
+
+
+def _archive_of(payload, members: dict[str, bytes] | None = None, *, deflated_zeros=0) -> bytes:
+    """A torch.save-style archive: data.pkl, byteorder and the members (``deflated_zeros``
+    bytes of zeros deflated into data/0 instead)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("archive/data.pkl", _dumps(payload))
+        z.writestr("archive/byteorder", "little")
+        for name, data in (members or {}).items():
+            z.writestr(f"archive/data/{name}", data)
+        if deflated_zeros:
+            info = zipfile.ZipInfo("archive/data/0")
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with z.open(info, "w") as f:
+                for _ in range(deflated_zeros >> 20):
+                    f.write(bytes(1 << 20))
+    return buffer.getvalue()
+
+
+def _declare_size(archive: bytes, name: str, file_size: int) -> bytes:
+    """Rewrite the uncompressed size that the central directory records for ``name``."""
+    data = bytearray(archive)
+    at = data.index(b"PK\x01\x02")
+    while True:
+        length = int.from_bytes(data[at + 28 : at + 30], "little")
+        if data[at + 46 : at + 46 + length] == name.encode():
+            data[at + 24 : at + 28] = file_size.to_bytes(4, "little")
+            return bytes(data)
+        at = data.index(b"PK\x01\x02", at + 4)
+
+
+def _dcp_dir(directory: pathlib.Path, shape, chunks, file_size: int) -> pathlib.Path:
+    """A DCP directory whose .metadata gives tensor "w" (float32) ``shape`` and ``chunks``
+    ``[(offsets, sizes, byte start, byte length)]`` in a ``file_size``-byte __0_0.distcp."""
+    dcp = "torch.distributed.checkpoint."
+    key = "w"
+    entry = _Call(
+        dcp + "metadata.TensorStorageMetadata",
+        properties=_Call(dcp + "metadata.TensorProperties", dtype=_Global("torch.float32")),
+        size=tuple(shape),
+        chunks=[
+            _Call(dcp + "metadata.ChunkStorageMetadata", offsets=o, sizes=s)
+            for o, s, _, _ in chunks
+        ],
+    )
+    storage = {
+        _Call(dcp + "metadata.MetadataIndex", fqn=key, offset=o, index=0): _Call(
+            dcp + "filesystem._StorageInfo", relative_path="__0_0.distcp", offset=b, length=n
+        )
+        for o, _, b, n in chunks
+    }
+    meta = _Call(dcp + "metadata.Metadata", state_dict_metadata={key: entry}, storage_data=storage)
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(_dumps(meta))
+    (directory / "__0_0.distcp").write_bytes(bytes(file_size))
+    return directory
+
+
+def _shared_tuples(levels: int) -> bytes:
+    """t = (t, t), ``levels`` times: a few bytes, 2**levels entries written out as a tree."""
+    return b"\x80\x02)" + b"2\x86" * levels + b"."
+
+
+def _hostile_cases(tmp: pathlib.Path) -> dict[str, tuple[str, str, str]]:
+    """``case -> (reader, path, expected message)``."""
+    cases = {
+        "bytearray_4gib": (
+            "loads",
+            b"\x80\x02cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\x00\x01\x85R.",
+            r"bytearray\(4294967296\) needs 4294967296 bytes, beyond the byte budget",
+        ),
+        "list_of_range_1e8": (
+            "loads",
+            b"\x80\x02cbuiltins\nlist\ncbuiltins\nrange\nJ\x00\xe1\xf5\x05\x85R\x85R.",
+            r"list\(\) of 100000000 elements needs",
+        ),
+        "binbytes8_1tib": (
+            "loads",
+            b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"x.",
+            r"opcode BINBYTES8 declares 1099511627776 bytes; only 2 are left",
+        ),
+        "bytearray8_1tib": (
+            "loads",
+            b"\x80\x05\x96" + (1 << 40).to_bytes(8, "little") + b"x.",
+            r"opcode BYTEARRAY8 declares 1099511627776 bytes",
+        ),
+        "nested_lists": (
+            "loads",
+            b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".",
+            r"a list nests over 100 deep",
+        ),
+        "nested_tuple_as_key": (  # hashing it overflowed the C stack: a segfault
+            "loads",
+            b"\x80\x02})" + b"\x85" * 300_000 + b"Ns.",
+            r"a dict key: a tuple nests over 100 deep",
+        ),
+        "shared_tuples": (  # any walk over it (repr, state.py's search) would never end
+            "loads",
+            _shared_tuples(64),
+            r"a tuple holds \d+ entries \(written out as a tree\); the limit is",
+        ),
+        "codec_doubling": (  # _codecs.encode(..., 'hex') 40 times doubles 4 bytes to 4 TiB
+            "loads",
+            b"\x80\x03c_codecs\nencode\nq\x00"
+            + b"h\x00" * 40
+            + b"C\x04abcd"
+            + b"X\x03\x00\x00\x00hex\x86R" * 40
+            + b".",
+            r"_codecs.encode is allowed only as \(str, 'latin1'\)",
+        ),
+        "storage_beyond_its_member": (
+            "archive",
+            _archive_of(_tensor(_Storage("0", 1 << 30), (1 << 30,)), {"0": bytes(16)}),
+            r"storage 0: declares 4294967296 bytes; archive member archive/data/0 holds 16",
+        ),
+        "deflated_past_its_size": (  # a zip bomb: 128 MiB inflated from a member that says 16
+            "archive",
+            _declare_size(
+                _archive_of(_tensor(_Storage("0", 4), (4,)), deflated_zeros=128 << 20),
+                "archive/data/0",
+                16,
+            ),
+            r"archive/data/0 inflates past the 16 bytes its header declares",
+        ),
+        "deflated_declared_4gib": (
+            "archive",
+            _declare_size(
+                _archive_of(
+                    _tensor(_Storage("0", (1 << 30) - 1), ((1 << 30) - 1,)), deflated_zeros=1 << 20
+                ),  # fmt: skip
+                "archive/data/0",
+                (1 << 32) - 4,
+            ),
+            r"deflated member archive/data/0 needs 4294967292 bytes, beyond the byte budget",
+        ),
+        "dcp_tensor_beyond_its_bytes": (
+            "dcp",
+            _dcp_dir(tmp / "huge", (1 << 40,), [((0,), (1 << 40,), 0, 100)], 100),
+            r"needs more than its 100 bytes",
+        ),
+        "dcp_ranges_overlap": (
+            "dcp",
+            _dcp_dir(
+                tmp / "overlap", (2, 4), [((0, 0), (1, 4), 0, 64), ((1, 0), (1, 4), 0, 64)], 64
+            ),
+            r"overlap those of w",
+        ),
+        "empty_tensor_of_2e40_layers": (  # state.py walks layers: 2**22 of them took 15 s
+            "archive",
+            _archive_of(_tensor(_Storage("0", 0), (1 << 40, 0, 64)), {"0": b""}),
+            r"tensor of size \(1099511627776, 0, 64\) needs 281474976710656 bytes",
+        ),
+        "dcp_empty_tensor_of_2e40_layers": (
+            "dcp",
+            _dcp_dir(tmp / "empty", (1 << 40, 0, 64), [], 0),
+            r"an empty tensor of shape \(1099511627776, 0, 64\) needs 281474976710656 bytes",
+        ),
+        "tensors_overlapping_a_storage": (  # last: it may use the budget before it is refused
+            "archive",
+            _archive_of(
+                [_tensor(s, (1 << 18,)) for s in [_Storage("0", 1 << 18)] * 1024],
+                {"0": bytes(4 << 18)},
+            ),
+            r"tensor of size \(262144,\) needs 1048576 bytes, beyond the byte budget",
+        ),
+    }
+    out = {}
+    for name, (reader, payload, match) in cases.items():
+        if isinstance(payload, bytes):
+            path = tmp / f"{name}.bin"
+            path.write_bytes(payload)
+            payload = path
+        out[name] = (reader, str(payload), match)
+    return out
+
+
+_HOSTILE_CHILD = r"""
+import json, pathlib, resource, sys, time
+from lwjax.megatron.dcp import load_dcp
+from lwjax.megatron.pickle_io import DamagedCheckpointError, load_torch_archive, loads
+cases = json.loads(sys.argv[1])
+size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), size + (1 << 30)))
+readers = {
+    "loads": lambda p: loads(pathlib.Path(p).read_bytes(), where=p),
+    "archive": lambda p: load_torch_archive(pathlib.Path(p).read_bytes(), where="archive"),
+    "dcp": load_dcp,
+}
+out = {}
+for name, (reader, path, _) in cases.items():
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    try:
+        readers[reader](path)
+        kind, message = "nothing", ""
+    except BaseException as err:
+        kind, message = type(err).__name__, str(err)[:400]
+    seconds = time.perf_counter() - start
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) << 10
+    out[name] = [kind, message, seconds, grown]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def hostile_results(tmp_path_factory):
+    cases = _hostile_cases(tmp_path_factory.mktemp("hostile"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOSTILE_CHILD, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"the reader crashed ({proc.returncode}): {proc.stderr[-2000:]}"
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: (*results[name], cases[name][2]) for name in cases}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "bytearray_4gib",
+        "list_of_range_1e8",
+        "binbytes8_1tib",
+        "bytearray8_1tib",
+        "nested_lists",
+        "nested_tuple_as_key",
+        "shared_tuples",
+        "codec_doubling",
+        "storage_beyond_its_member",
+        "deflated_past_its_size",
+        "deflated_declared_4gib",
+        "dcp_tensor_beyond_its_bytes",
+        "dcp_ranges_overlap",
+        "empty_tensor_of_2e40_layers",
+        "dcp_empty_tensor_of_2e40_layers",
+        "tensors_overlapping_a_storage",
+    ],
+)
+def test_hostile_sizes_are_refused_before_allocating(hostile_results, case):
+    kind, message, seconds, grown, match = hostile_results[case]
+    assert kind == "DamagedCheckpointError", (kind, message)
+    assert re.search(match, message), message
+    assert seconds < 1.0, seconds
+    budget = pickle_io.DEFAULT_MAX_BYTES + (8 << 20)
+    assert grown < (budget if case == "tensors_overlapping_a_storage" else 32 << 20), grown
+
+
+def test_real_checkpoints_need_no_budget_beyond_their_bytes(tmp_path):
+    """Tensors and storages are bounded by the file's size, not by max_bytes: every fixture
+    reads with a budget of 0; a hostile file is refused naming the budget read_megatron got."""
+    for name in NAMES:
+        state = read_megatron(FIXTURES / name, max_bytes=0)
+        assert state.model and state.masters
+    shutil.copytree(FIXTURES / "legacy_muon", tmp_path / "ckpt")
+    (main,) = (tmp_path / "ckpt").glob("iter_*/mp_rank_00/model_optim_rng.pt")
+    main.write_bytes(_archive_of(_Call("builtins.bytearray", 8 << 20)))
+    with pytest.raises(
+        pickle_io.DamagedCheckpointError, match=r"model_optim_rng.pt: .*max_bytes=1048576"
+    ):
+        read_megatron(tmp_path / "ckpt", max_bytes=1 << 20)
+    assert len(loads(_dumps(_Call("builtins.bytearray", 8 << 20)), where="x")) == 8 << 20
+    with pytest.raises(ValueError, match="max_bytes must be a non-negative int"):
+        read_megatron(FIXTURES / "legacy_muon", max_bytes=-1)
+
+
+def test_build_on_a_class_or_function_is_refused():
+    for target in ("argparse.Namespace", "torch._utils._rebuild_tensor_v2"):
+        module, _, name = target.rpartition(".")
+        hostile = f"c{module}\n{name}\n}}(X\x01\x00\x00\x00aK\x01ub.".encode()
+        with pytest.raises(pickle_io.DamagedCheckpointError, match="BUILD on .* is not allowed"):
+            loads(hostile, where="hostile")
+
+
+def test_a_huge_tensor_parallel_size_in_the_args_is_refused_without_allocating(monkeypatch):
+    """``tensor_model_parallel_size`` comes from the file; the flat-buffer check must not
+    build ``range`` of it."""
+    import lwjax.megatron.state as state_lib
+
+    real = state_lib.load_dcp
+
+    def load_with_huge_tp(directory, **kwargs):
+        raw = real(directory, **kwargs)
+        for key, value in raw.items():
+            if key.startswith("common_state/"):
+                vars(value["args"])["tensor_model_parallel_size"] = 10**12
+        return raw
+
+    monkeypatch.setattr(state_lib, "load_dcp", load_with_huge_tp)
+    with pytest.raises(pickle_io.DamagedCheckpointError, match="expected one per tensor-parallel"):
+        read_megatron(FIXTURES / "adam_ws1")

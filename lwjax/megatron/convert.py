@@ -933,6 +933,7 @@ def convert(
             metadata=metadata,
             overwrite=config.overwrite,
             matrix_convention=MATRIX_CONVENTION,
+            elementwise_transform="scale_by_adam",  # Megatron's Adam, as optimizer_kwargs builds
         )
     elif target == "safetensors":
         report("writing", 2, total)

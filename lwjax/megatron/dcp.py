@@ -15,6 +15,13 @@ A DCP checkpoint directory (Megatron's ``torch_dist`` format) holds:
 (through :mod:`lwjax.megatron.pickle_io`); :func:`load_dcp_torch` does the same
 through torch's own loader, and both return the same bytes. :func:`save_dcp_torch`
 writes one chunk per tensor with torch.
+
+Before a byte is read, :func:`read_dcp_index` checks what ``.metadata`` says
+against the files: every storage file is a regular file in the directory, every
+byte range lies inside its file and overlaps no other, every chunk lies inside
+its tensor, holds at most its range's bytes, and the chunks of a tensor add up to
+exactly its elements. A global tensor is therefore never larger than the bytes
+that fill it.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ from typing import Any
 import numpy as np
 
 from lwjax.megatron.pickle_io import (
+    INPUT_ERRORS,
     TORCH_DTYPES,
+    DamagedCheckpointError,
     Opaque,
     load_torch_archive,
     loads,
+    new_budget,
     open_checkpoint_file,
 )
 
@@ -84,17 +94,41 @@ class DcpIndex:
 
 
 def _dtype_name(dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
     if name not in TORCH_DTYPES:
-        raise ValueError(f"unsupported tensor dtype {dtype!r}")
+        raise ValueError(f"unsupported tensor dtype {dtype[:40] if name else type(dtype).__name__}")
     return name
 
 
-def read_dcp_index(directory) -> DcpIndex:
-    """Read and check a DCP ``.metadata`` file without torch.
+def _int_tuple(values, what: str) -> tuple[int, ...]:
+    if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
+        raise ValueError(f"{what} must be a tuple of ints; got a {type(values).__name__}")
+    return tuple(values)
+
+
+def _location(info, what: str) -> tuple[str, int, int]:
+    """``(file, start, length)`` of a ``_StorageInfo``, with the file a plain name."""
+    name, start, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+    if type(name) is not str or type(start) is not int or type(length) is not int:
+        raise ValueError(f"{what}: a malformed storage entry")
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"{what}: storage file {name[:100]!r} is outside the checkpoint")
+    if start < 0 or length < 0:
+        raise ValueError(f"{what}: a negative byte range ({start}, {length})")
+    return name, start, length
+
+
+def read_dcp_index(directory, *, max_bytes: int | None = None) -> DcpIndex:
+    """Read and check a DCP ``.metadata`` file without torch (the checks: module docstring).
+
+    Args:
+      directory: The checkpoint directory.
+      max_bytes: The byte budget of the ``.metadata`` pickle
+        (:class:`~lwjax.megatron.pickle_io.ByteBudget`; ``None``: the current default).
 
     Raises:
-      ValueError: no ``.metadata``, an unreadable one, or a chunk without storage.
+      DamagedCheckpointError: no ``.metadata``, an unreadable one, a chunk
+        without storage, or sizes and byte ranges the files cannot hold.
     """
     directory = pathlib.Path(directory)
     meta_path = directory / ".metadata"
@@ -102,52 +136,109 @@ def read_dcp_index(directory) -> DcpIndex:
         try:
             raw = f.read()
         except OSError as err:
-            raise ValueError(
+            raise DamagedCheckpointError(
                 f"{meta_path}: cannot read DCP metadata: {err.strerror or err}"
             ) from None
-    meta = loads(raw, where=str(meta_path))
+    budget = new_budget(max_bytes, str(meta_path))
+    meta = loads(raw, where=str(meta_path), budget=budget)
     try:
-        entries = meta.state_dict_metadata
-        storage = {}
-        for idx, info in meta.storage_data.items():
-            offset = getattr(idx, "offset", None)
-            storage[(idx.fqn, None if offset is None else tuple(offset))] = info
-    except AttributeError as err:
-        raise ValueError(f"{meta_path}: not a DCP Metadata record ({err}).") from None
+        index = _index(directory, meta, budget)
+    except DamagedCheckpointError:
+        raise
+    except INPUT_ERRORS as err:
+        raise DamagedCheckpointError(f"{meta_path}: {err}.") from None
+    _check_ranges(index)
+    return index
+
+
+def _index(directory: pathlib.Path, meta, budget) -> DcpIndex:
+    entries = getattr(meta, "state_dict_metadata", None)
+    storage_data = getattr(meta, "storage_data", None)
+    if type(entries) is not dict or type(storage_data) is not dict:
+        raise ValueError("not a DCP Metadata record")
+    storage = {}
+    for idx, info in storage_data.items():
+        fqn, offset = getattr(idx, "fqn", None), getattr(idx, "offset", None)
+        if type(fqn) is not str:
+            raise ValueError("a storage entry without a key")
+        storage[(fqn, None if offset is None else _int_tuple(offset, f"{fqn}: offset"))] = info
     tensors, objects = {}, {}
     for key, entry in entries.items():
+        if type(key) is not str:
+            raise ValueError(f"a key that is a {type(key).__name__}, not a string")
         if type(entry).__name__ == "BytesStorageMetadata":
             info = storage.get((key, None))
             if info is None:
-                raise ValueError(f"{meta_path}: object {key!r} has no storage entry.")
-            objects[key] = (str(info.relative_path), int(info.offset), int(info.length))
+                raise ValueError(f"object {key!r} has no storage entry")
+            objects[key] = _location(info, f"object {key!r}")
             continue
-        try:
-            dtype = _dtype_name(entry.properties.dtype)
-            shape = tuple(int(s) for s in entry.size)
-            chunks = []
-            for chunk in entry.chunks:
-                offsets = tuple(int(o) for o in chunk.offsets)
-                info = storage.get((key, offsets))
-                if info is None:
-                    raise ValueError(f"chunk at {offsets} has no storage entry")
-                if getattr(info, "transform_descriptors", None):
-                    raise ValueError(
-                        f"chunk at {offsets} uses storage transforms {info.transform_descriptors}"
-                    )
-                chunks.append(
-                    Chunk(
-                        offsets,
-                        tuple(int(s) for s in chunk.sizes),
-                        str(info.relative_path),
-                        int(info.offset),
-                        int(info.length),
-                    )
+        where = f"tensor {key!r}"
+        dtype = _dtype_name(getattr(getattr(entry, "properties", None), "dtype", None))
+        shape = _int_tuple(getattr(entry, "size", None), f"{where}: size")
+        chunks, numel = [], 0
+        for chunk in getattr(entry, "chunks", None) or ():
+            offsets = _int_tuple(getattr(chunk, "offsets", None), f"{where}: chunk offsets")
+            sizes = _int_tuple(getattr(chunk, "sizes", None), f"{where}: chunk sizes")
+            if (
+                len(offsets) != len(shape)
+                or len(sizes) != len(shape)
+                or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape))
+            ):
+                raise ValueError(f"{where}: chunk {sizes} at {offsets} lies outside {shape}")
+            info = storage.get((key, offsets))
+            if info is None:
+                raise ValueError(f"{where}: chunk at {offsets} has no storage entry")
+            if getattr(info, "transform_descriptors", None):
+                raise ValueError(f"{where}: chunk at {offsets} uses storage transforms")
+            chunk = Chunk(offsets, sizes, *_location(info, f"{where}: chunk at {offsets}"))
+            if math.prod(sizes) * TORCH_DTYPES[dtype].itemsize > chunk.length:
+                raise ValueError(
+                    f"{where}: chunk {sizes} of {dtype} needs more than its {chunk.length} bytes"
                 )
-        except (AttributeError, TypeError, ValueError) as err:
-            raise ValueError(f"{meta_path}: tensor {key!r}: {err}.") from None
+            chunks.append(chunk)
+            numel += math.prod(sizes)
+        if numel == 0:  # no bytes bound its shape: charged as if its zero dimensions were 1
+            budget.take(
+                math.prod(max(n, 1) for n in shape) * TORCH_DTYPES[dtype].itemsize,
+                f"{where}: an empty tensor of shape {shape}",
+            )
+        if numel != math.prod(shape):
+            raise ValueError(
+                f"{where}: chunks hold {numel} elements; the tensor {shape} has "
+                f"{math.prod(shape)} ("
+                + ("chunks overlap" if numel > math.prod(shape) else "a rank's file is missing")
+                + ")"
+            )
         tensors[key] = TensorEntry(key, dtype, shape, tuple(chunks))
     return DcpIndex(directory, tensors, objects, tuple(entries))
+
+
+def _check_ranges(index: DcpIndex) -> None:
+    """Each storage file is a regular file in the directory and holds its byte ranges, which
+    do not overlap.
+    """
+    ranges = collections.defaultdict(list)
+    for key, (name, start, length) in index.objects.items():
+        ranges[name].append((start, length, key))
+    for key, entry in index.tensors.items():
+        for chunk in entry.chunks:
+            ranges[chunk.file].append((chunk.start, chunk.length, key))
+    for name, spans in ranges.items():
+        path = index.directory / name
+        with open_checkpoint_file(path, index.directory, spans[0][2]) as f:
+            size = os.fstat(f.fileno()).st_size
+        end, previous = 0, None
+        for start, length, key in sorted(spans):
+            if start + length > size:
+                raise DamagedCheckpointError(
+                    f"{path}: {key}: truncated; expected {length} bytes at offset {start}, "
+                    f"but the file has {size}."
+                )
+            if start < end:
+                raise DamagedCheckpointError(
+                    f"{path}: {key}: bytes {start}..{start + length} overlap those of {previous}."
+                )
+            end, previous = start + length, key
 
 
 class _Files:
@@ -158,17 +249,13 @@ class _Files:
         self.handles: dict[str, Any] = {}
 
     def read(self, name: str, start: int, length: int, what: str) -> bytes:
-        if os.sep in name or name.startswith(".."):
-            raise ValueError(
-                f"{self.directory}: {what}: storage file {name!r} is outside the checkpoint."
-            )
         if name not in self.handles:
             self.handles[name] = open_checkpoint_file(self.directory / name, self.directory, what)
         f = self.handles[name]
         f.seek(start)
         data = f.read(length)
         if len(data) != length:
-            raise ValueError(
+            raise DamagedCheckpointError(
                 f"{self.directory / name}: {what}: truncated; expected {length} bytes "
                 f"at offset {start}, got {len(data)}."
             )
@@ -184,12 +271,14 @@ def _unwrap(obj):
     return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
 
 
-def load_dcp(directory, keys=None) -> dict[str, Any]:
+def load_dcp(directory, keys=None, *, max_bytes: int | None = None) -> dict[str, Any]:
     """Load a DCP checkpoint's tensors (global numpy arrays) and objects without torch.
 
     Args:
       directory: The checkpoint directory (with ``.metadata``).
       keys: Keys to load; ``None`` loads everything.
+      max_bytes: The byte budget per file (``.metadata`` and each ``.distcp``;
+        :class:`~lwjax.megatron.pickle_io.ByteBudget`); ``None``: the current default.
 
     Returns:
       ``key -> np.ndarray`` for tensors (chunks from every rank's file merged)
@@ -197,13 +286,21 @@ def load_dcp(directory, keys=None) -> dict[str, Any]:
       ``.metadata`` order.
 
     Raises:
-      ValueError: a missing or truncated file, a damaged chunk, chunks that do
-        not tile the tensor, or a refused pickle global; the message names the
-        file and key.
+      DamagedCheckpointError: a missing or truncated file, a damaged chunk,
+        chunks that do not tile the tensor, a refused pickle global or a limit
+        exceeded; the message names the file and key.
     """
-    index = read_dcp_index(directory)
+    index = read_dcp_index(directory, max_bytes=max_bytes)
     wanted = None if keys is None else set(keys)
     files = _Files(index.directory)
+    budgets: dict[str, Any] = {}
+
+    def load(name: str, start: int, length: int, key: str, where: str):
+        if name not in budgets:
+            budgets[name] = new_budget(max_bytes, str(index.directory / name))
+        data = files.read(name, start, length, key)
+        return load_torch_archive(data, where=where, budget=budgets[name])
+
     out: dict[str, Any] = {}
     try:
         for key in index.order:
@@ -211,26 +308,19 @@ def load_dcp(directory, keys=None) -> dict[str, Any]:
                 continue
             if key in index.objects:
                 name, start, length = index.objects[key]
-                where = f"{index.directory / name}: {key}"
                 out[key] = _unwrap(
-                    load_torch_archive(files.read(name, start, length, key), where=where)
+                    load(name, start, length, key, f"{index.directory / name}: {key}")
                 )
                 continue
             entry = index.tensors[key]
             dtype = TORCH_DTYPES[entry.dtype]
+            # Both fit: the index checked that the chunks' bytes, which lie in the files, hold
+            # every element of the tensor.
             array = np.empty(entry.shape, dtype)
             covered = np.zeros(entry.shape, np.bool_)
             for chunk in entry.chunks:
                 where = f"{index.directory / chunk.file}: {key} chunk at {chunk.offsets}"
-                if len(chunk.offsets) != len(entry.shape) or any(
-                    o < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.shape)
-                ):
-                    raise ValueError(
-                        f"{where}: chunk {chunk.sizes} lies outside the tensor {entry.shape}."
-                    )
-                piece = load_torch_archive(
-                    files.read(chunk.file, chunk.start, chunk.length, key), where=where
-                )
+                piece = load(chunk.file, chunk.start, chunk.length, key, where)
                 if (
                     not isinstance(piece, np.ndarray)
                     or piece.shape != chunk.sizes
@@ -240,18 +330,18 @@ def load_dcp(directory, keys=None) -> dict[str, Any]:
                         getattr(piece, "shape", type(piece).__name__),
                         getattr(piece, "dtype", None),
                     )
-                    raise ValueError(
+                    raise DamagedCheckpointError(
                         f"{where}: expected a {entry.dtype} array of shape {chunk.sizes}; "
                         f"got {got}."
                     )
                 region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
                 if covered[region].any():
-                    raise ValueError(f"{where}: chunks overlap.")
+                    raise DamagedCheckpointError(f"{where}: chunks overlap.")
                 array[region] = piece
                 covered[region] = True
             if not covered.all():
                 missing = int(covered.size - covered.sum())
-                raise ValueError(
+                raise DamagedCheckpointError(
                     f"{index.directory}: {key}: chunks leave {missing} of {math.prod(entry.shape)} "
                     "elements unwritten; a rank's file is missing from the metadata."
                 )
@@ -313,7 +403,8 @@ def torch_load(source, *, where: str):
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{where}: torch.load failed: {str(err).splitlines()[0]}") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DamagedCheckpointError(f"{where}: torch.load failed: {first}") from None
     return to_numpy(obj)
 
 

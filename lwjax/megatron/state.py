@@ -46,8 +46,10 @@ from lwjax.layout import ParamSpec
 from lwjax.megatron import names as names_lib
 from lwjax.megatron.dcp import load_dcp, load_dcp_torch, torch_load
 from lwjax.megatron.pickle_io import (
+    DEFAULT_MAX_BYTES,
     TORCH_DTYPES,
     DamagedCheckpointError,
+    byte_budget,
     load_torch_file,
     open_checkpoint_file,
 )
@@ -430,10 +432,10 @@ def _read_torch_dist(directory: pathlib.Path, reader: Reader) -> dict:
                 f"{directory}: flat (dp_reshardable) optimizer buffers of a pipeline-parallel run "
                 "are not supported; save with --dist-ckpt-optim-fully-reshardable."
             )
-        if sorted({r for r, _ in buffers}) != list(range(tp)):
+        ranks = sorted({r for r, _ in buffers})
+        if tp != len(ranks) or ranks != list(range(tp)):  # tp comes from the file: no range(tp)
             raise ValueError(
-                f"{directory}: flat optimizer buffers for dp groups "
-                f"{sorted({r for r, _ in buffers})}; "
+                f"{directory}: flat optimizer buffers for dp groups {ranks}; "
                 f"expected one per tensor-parallel rank 0..{tp - 1}."
             )
         ordered = {rg: [b[i] for i in sorted(b)] for rg, b in buffers.items()}
@@ -723,6 +725,7 @@ def read_megatron(
     reader: Reader = "numpy",
     verify: bool = True,
     weights_only: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> MegatronState:
     """Read a Megatron-Core GPT checkpoint into a :class:`MegatronState`.
 
@@ -737,6 +740,10 @@ def read_megatron(
       weights_only: Read the model weights alone, without optimizer state.
         Otherwise a legacy checkpoint whose optimizer file is missing or empty
         although its args or files say it was saved with one is an error.
+      max_bytes: Per file, what the reader may allocate beyond the bytes it
+        reads from the file (256 MiB; see
+        :class:`~lwjax.megatron.pickle_io.ByteBudget`). Tensors are bounded by
+        the file's real size instead, so real checkpoints of any size fit.
 
     Returns:
       The global per-parameter state.
@@ -748,8 +755,10 @@ def read_megatron(
     """
     if reader not in READERS:
         raise ValueError(f"read_megatron: reader must be one of {READERS}; got {reader=}.")
+    budget = byte_budget(max_bytes)
     try:
-        return _read_megatron(path, iteration, reader, verify, weights_only)
+        with budget:
+            return _read_megatron(path, iteration, reader, verify, weights_only)
     except DamagedCheckpointError:
         raise
     except ValueError as err:
