@@ -15,10 +15,13 @@ import zipfile
 import numpy as np
 import pytest
 
-from lwjax.megatron import pickle_io
+from lwjax.megatron import allow_list
+from lwjax.megatron.budget import DEFAULT_MAX_BYTES
 from lwjax.megatron.dcp import load_dcp, read_dcp_index
-from lwjax.megatron.pickle_io import load_torch_archive, load_torch_file, loads
+from lwjax.megatron.errors import DamagedCheckpointError
+from lwjax.megatron.pickle_io import load_torch_archive, load_torch_file
 from lwjax.megatron.state import read_megatron
+from lwjax.megatron.unpickler import loads
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
@@ -136,7 +139,7 @@ def test_restricted_unpickler_refuses_code_and_keeps_unknown_megatron_classes_in
             loads(f"c{module}\n{name}\n(tR.".encode(), where="x")
     # An enum of Megatron's args becomes an inert placeholder that records its value.
     obj = loads(b"cmegatron.core.enums\nModelType\n(K\x01tR.", where="args")
-    assert isinstance(obj, pickle_io.Opaque) and obj.args == (1,)
+    assert isinstance(obj, allow_list.Opaque) and obj.args == (1,)
     assert obj.global_name == "megatron.core.enums.ModelType"
 
 
@@ -295,7 +298,7 @@ def test_a_pickle_cannot_change_an_allowed_class_or_function_for_the_process():
         pass  # refusing it outright is fine too; what matters is the process is unchanged
     assert argparse.Namespace.__init__ is not int
     assert argparse.ArgumentParser().parse_args([]) == argparse.Namespace()
-    assert pickle_io._path_string.__defaults__ is None
+    assert allow_list._path_string.__defaults__ is None
 
 
 def test_expanded_tensor_views_are_refused_before_they_are_copied():
@@ -303,11 +306,11 @@ def test_expanded_tensor_views_are_refused_before_they_are_copied():
     out to 4 GiB; saved tensors never repeat elements, so the view is refused first."""
     storage = np.arange(1024, dtype=np.float32)
     with pytest.raises(pickle.UnpicklingError, match="repeats elements"):
-        pickle_io._rebuild_tensor(storage, 0, (1 << 20, 1024), (0, 1))
+        allow_list._rebuild_tensor(storage, 0, (1 << 20, 1024), (0, 1))
     with pytest.raises(pickle.UnpicklingError, match="repeats elements"):
-        pickle_io._rebuild_tensor(storage, 0, (1000, 2), (1, 1))
+        allow_list._rebuild_tensor(storage, 0, (1000, 2), (1, 1))
     np.testing.assert_array_equal(
-        pickle_io._rebuild_tensor(storage, 0, (32, 32), (32, 1)), storage.reshape(32, 32)
+        allow_list._rebuild_tensor(storage, 0, (32, 32), (32, 1)), storage.reshape(32, 32)
     )
 
 
@@ -547,7 +550,9 @@ def _hostile_cases(tmp: pathlib.Path) -> dict[str, tuple[str, str, str]]:
 _HOSTILE_CHILD = r"""
 import json, pathlib, resource, sys, time
 from lwjax.megatron.dcp import load_dcp
-from lwjax.megatron.pickle_io import DamagedCheckpointError, load_torch_archive, loads
+from lwjax.megatron.errors import DamagedCheckpointError
+from lwjax.megatron.pickle_io import load_torch_archive
+from lwjax.megatron.unpickler import loads
 cases = json.loads(sys.argv[1])
 size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) << 10
 resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), size + (1 << 30)))
@@ -612,7 +617,7 @@ def test_hostile_sizes_are_refused_before_allocating(hostile_results, case):
     assert kind == "DamagedCheckpointError", (kind, message)
     assert re.search(match, message), message
     assert seconds < 1.0, seconds
-    budget = pickle_io.DEFAULT_MAX_BYTES + (8 << 20)
+    budget = DEFAULT_MAX_BYTES + (8 << 20)
     assert grown < (budget if case == "tensors_overlapping_a_storage" else 32 << 20), grown
 
 
@@ -625,9 +630,7 @@ def test_real_checkpoints_need_no_budget_beyond_their_bytes(tmp_path):
     shutil.copytree(FIXTURES / "legacy_muon", tmp_path / "ckpt")
     (main,) = (tmp_path / "ckpt").glob("iter_*/mp_rank_00/model_optim_rng.pt")
     main.write_bytes(_archive_of(_Call("builtins.bytearray", 8 << 20)))
-    with pytest.raises(
-        pickle_io.DamagedCheckpointError, match=r"model_optim_rng.pt: .*max_bytes=1048576"
-    ):
+    with pytest.raises(DamagedCheckpointError, match=r"model_optim_rng.pt: .*max_bytes=1048576"):
         read_megatron(tmp_path / "ckpt", max_bytes=1 << 20)
     assert len(loads(_dumps(_Call("builtins.bytearray", 8 << 20)), where="x")) == 8 << 20
     with pytest.raises(ValueError, match="max_bytes must be a non-negative int"):
@@ -638,7 +641,7 @@ def test_build_on_a_class_or_function_is_refused():
     for target in ("argparse.Namespace", "torch._utils._rebuild_tensor_v2"):
         module, _, name = target.rpartition(".")
         hostile = f"c{module}\n{name}\n}}(X\x01\x00\x00\x00aK\x01ub.".encode()
-        with pytest.raises(pickle_io.DamagedCheckpointError, match="BUILD on .* is not allowed"):
+        with pytest.raises(DamagedCheckpointError, match="BUILD on .* is not allowed"):
             loads(hostile, where="hostile")
 
 
@@ -657,5 +660,5 @@ def test_a_huge_tensor_parallel_size_in_the_args_is_refused_without_allocating(m
         return raw
 
     monkeypatch.setattr(state_lib, "load_dcp", load_with_huge_tp)
-    with pytest.raises(pickle_io.DamagedCheckpointError, match="expected one per tensor-parallel"):
+    with pytest.raises(DamagedCheckpointError, match="expected one per tensor-parallel"):
         read_megatron(FIXTURES / "adam_ws1")

@@ -14,8 +14,12 @@ Typical use::
     opt = imported.optimizer(mesh)                            # Megatron's options and schedule
     params, opt_state = imported.state(opt)                   # on the mesh, ready to train
 
-Modules: :mod:`~lwjax.megatron.pickle_io` (restricted unpickler, ``torch.save``
-archives), :mod:`~lwjax.megatron.dcp` (DCP directories), :mod:`~lwjax.megatron.names`
+Modules: :mod:`~lwjax.megatron.pickle_io` (``torch.save`` archives),
+:mod:`~lwjax.megatron.unpickler` (the restricted unpickler),
+:mod:`~lwjax.megatron.allow_list` (what a pickle may name, and what calls cost),
+:mod:`~lwjax.megatron.budget` (the per-file byte budget),
+:mod:`~lwjax.megatron.errors` (:class:`DamagedCheckpointError`),
+:mod:`~lwjax.megatron.dcp` (DCP directories), :mod:`~lwjax.megatron.names`
 (keys, definition order, tensor-parallel chunks), :mod:`~lwjax.megatron.state`
 (formats -> :class:`MegatronState`), :mod:`~lwjax.megatron.gpt` (the GPT's shape and
 tree), :mod:`~lwjax.megatron.model` (its initialisation and forward pass, jax),
@@ -37,8 +41,8 @@ from lwjax.megatron.convert import logical_to_megatron as logical_to_megatron
 from lwjax.megatron.convert import megatron_to_logical as megatron_to_logical
 from lwjax.megatron.convert import save_safetensors as save_safetensors
 from lwjax.megatron.convert import save_torch_dist as save_torch_dist
+from lwjax.megatron.errors import DamagedCheckpointError as DamagedCheckpointError
 from lwjax.megatron.gpt import GPTConfig as GPTConfig
-from lwjax.megatron.pickle_io import DamagedCheckpointError as DamagedCheckpointError
 from lwjax.megatron.state import MegatronState as MegatronState
 from lwjax.megatron.state import read_megatron as read_megatron
 

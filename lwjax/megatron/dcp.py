@@ -35,16 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from lwjax.megatron.pickle_io import (
-    INPUT_ERRORS,
-    TORCH_DTYPES,
-    DamagedCheckpointError,
-    Opaque,
-    load_torch_archive,
-    loads,
-    new_budget,
-    open_checkpoint_file,
-)
+from lwjax.megatron.allow_list import TORCH_DTYPES, Opaque
+from lwjax.megatron.budget import new_budget
+from lwjax.megatron.errors import INPUT_ERRORS, DamagedCheckpointError
+from lwjax.megatron.pickle_io import load_torch_archive, open_checkpoint_file
+from lwjax.megatron.unpickler import loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +119,7 @@ def read_dcp_index(directory, *, max_bytes: int | None = None) -> DcpIndex:
     Args:
       directory: The checkpoint directory.
       max_bytes: The byte budget of the ``.metadata`` pickle
-        (:class:`~lwjax.megatron.pickle_io.ByteBudget`; ``None``: the current default).
+        (:class:`~lwjax.megatron.budget.ByteBudget`; ``None``: the current default).
 
     Raises:
       DamagedCheckpointError: no ``.metadata``, an unreadable one, a chunk
@@ -278,7 +273,7 @@ def load_dcp(directory, keys=None, *, max_bytes: int | None = None) -> dict[str,
       directory: The checkpoint directory (with ``.metadata``).
       keys: Keys to load; ``None`` loads everything.
       max_bytes: The byte budget per file (``.metadata`` and each ``.distcp``;
-        :class:`~lwjax.megatron.pickle_io.ByteBudget`); ``None``: the current default.
+        :class:`~lwjax.megatron.budget.ByteBudget`); ``None``: the current default.
 
     Returns:
       ``key -> np.ndarray`` for tensors (chunks from every rank's file merged)

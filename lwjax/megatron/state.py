@@ -44,15 +44,11 @@ import numpy as np
 from lwjax.elementwise_layout import compute_distributed_optimizer_layout
 from lwjax.layout import ParamSpec
 from lwjax.megatron import names as names_lib
+from lwjax.megatron.allow_list import TORCH_DTYPES
+from lwjax.megatron.budget import DEFAULT_MAX_BYTES, byte_budget
 from lwjax.megatron.dcp import load_dcp, load_dcp_torch, torch_load
-from lwjax.megatron.pickle_io import (
-    DEFAULT_MAX_BYTES,
-    TORCH_DTYPES,
-    DamagedCheckpointError,
-    byte_budget,
-    load_torch_file,
-    open_checkpoint_file,
-)
+from lwjax.megatron.errors import DamagedCheckpointError
+from lwjax.megatron.pickle_io import load_torch_file, open_checkpoint_file
 from lwjax.megatron.ping_pong import ping_pong_ownership
 from lwjax.routing import is_embedding_or_output
 
@@ -742,7 +738,7 @@ def read_megatron(
         although its args or files say it was saved with one is an error.
       max_bytes: Per file, what the reader may allocate beyond the bytes it
         reads from the file (256 MiB; see
-        :class:`~lwjax.megatron.pickle_io.ByteBudget`). Tensors are bounded by
+        :class:`~lwjax.megatron.budget.ByteBudget`). Tensors are bounded by
         the file's real size instead, so real checkpoints of any size fit.
 
     Returns:

@@ -32,11 +32,8 @@ import atheris
 # Instrumented for coverage: our readers, and the pure-Python pickle and zipfile they run.
 with atheris.instrument_imports(include=["lwjax.megatron", "pickle", "zipfile"]):
     from lwjax.megatron.dcp import load_dcp, read_dcp_index
-    from lwjax.megatron.pickle_io import (
-        DamagedCheckpointError,
-        load_torch_archive,
-        load_torch_file,
-    )
+    from lwjax.megatron.errors import DamagedCheckpointError
+    from lwjax.megatron.pickle_io import load_torch_archive, load_torch_file
     from lwjax.megatron.state import read_megatron
 import zipfile  # noqa: E402 (after the block: the instrumented module)
 
