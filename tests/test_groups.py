@@ -6,9 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
-from reference import reference_train
 from test_optimizer import CONFIG, LR, MUON
-from test_param_groups import _rel_err, _tied_loss, _tied_params
+from test_param_groups import _tied_loss, _tied_params, assert_trains_like_the_reference
 
 from lwjax import LayoutConfig, RoutingRules, to_logical
 from lwjax.optimizer import layerwise_muon
@@ -49,25 +48,7 @@ def test_groups_train_like_the_unsharded_reference_with_state_split_within_a_gro
     state = opt.init(params)
     for master in jax.tree.leaves(state.masters):  # 1/4 of a buffer per device, not 1/8
         assert {s.data.shape[0] for s in master.addressable_shards} == {master.shape[0] // 4}
-    step = make_train_step(_tied_loss, opt, donate=False)
-    p = params
-    for batch in batches:
-        p, state, metrics = step(p, state, batch)
-    ref, stats = reference_train(
-        params,
-        _tied_loss,
-        batches,
-        opt.plan.routes,
-        lr=LR,
-        weight_decay=CONFIG.weight_decay,
-        clip_grad=CONFIG.clip_grad,
-        muon_config=MUON,
-    )
-    for (path, a), b in zip(
-        jax.tree_util.tree_flatten_with_path(p)[0], jax.tree.leaves(ref.params())
-    ):
-        assert _rel_err(a, b) <= 1e-5, (jax.tree_util.keystr(path), _rel_err(a, b))
-    np.testing.assert_allclose(metrics["grad_norm"], stats[-1][0][None], rtol=1e-5)
+    assert_trains_like_the_reference(opt, params, state, batches)
 
 
 def test_groups_in_the_optax_form_and_across_group_sizes():

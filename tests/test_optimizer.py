@@ -722,20 +722,12 @@ def test_an_unusable_scheduled_value_skips_the_step(schedule, pipeline_muon):
             weight_decay=schedule.get("weight_decay", 0.01), pipeline_muon=pipeline_muon
         ),
     )
-    step = jax.jit(
-        jax.shard_map(
-            lambda g, s, p: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p),
-            mesh=opt.mesh,
-            in_specs=(P("dp"), opt.state_specs, P()),
-            out_specs=(P(), opt.state_specs, P()),
-            check_vma=False,
-        )
-    )
+    step = _step_fn(opt)
     state, p = opt.init(params), params
     history = []
     for device_grads in grads:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *device_grads)
-        p, state, metrics = step(stacked, state, p)
+        p, state, metrics = step(p, state, stacked)
         history.append((bool(metrics["skipped"]), int(state.count), p))
     assert [h[:2] for h in history] == [(False, 1), (True, 1), (True, 1)]
     for later in history[1:]:
@@ -828,22 +820,14 @@ def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon):
         config=OptimizerConfig(clip_grad=1.0, pipeline_muon=pipeline_muon),
         routing=RoutingRules(grad_norm_group={"embed/*": "embed"}),
     )
-    step = jax.jit(
-        jax.shard_map(
-            lambda g, s, p: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p),
-            mesh=opt.mesh,
-            in_specs=(P("dp"), opt.state_specs, P()),
-            out_specs=(P(), opt.state_specs, P()),
-            check_vma=False,
-        )
-    )
+    step = _step_fn(opt)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs).astype(jnp.float32), *device_grads)
     cases = (
         jax.tree.map(lambda x: x * jnp.float32(1e18), stacked),
         stacked,
         jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.inf), stacked),  # this one skips
     )
-    results = [step(grads, opt.init(params), params) for grads in cases]
+    results = [step(params, opt.init(params), grads) for grads in cases]
     (big, _, big_metrics), (ref, _, ref_metrics), (_, _, inf_metrics) = results
     assert not bool(big_metrics["skipped"]) and bool(inf_metrics["skipped"])
     np.testing.assert_allclose(
