@@ -158,6 +158,23 @@ def sharding_options(
     )
 
 
+def best_option(
+    options: Sequence[ShardingOption], max_padding: float = MAX_PADDING
+) -> ShardingOption:
+    """Among ``options`` padded by at most ``max_padding``, the least Newton–Schulz work on
+    the busiest rank, then the larger group (the first option when none fits).
+
+    Raises:
+      ValueError: ``max_padding`` is not a number >= 0.
+    """
+    if isinstance(max_padding, bool) or not (
+        isinstance(max_padding, (int, float)) and max_padding >= 0
+    ):
+        raise ValueError(f"choose_groups: max_padding must be a number >= 0; got {max_padding!r}.")
+    fitting = [o for o in options if o.padding <= max_padding] or [options[0]]
+    return min(fitting, key=lambda o: (o.max_rank_ns_flops, -o.shards))
+
+
 def choose_groups(
     specs: Sequence[ParamSpec],
     dp: int,
@@ -166,8 +183,8 @@ def choose_groups(
     policies: Sequence[str] = POLICIES,
     max_padding: float = MAX_PADDING,
 ) -> ShardingOption:
-    """The group size and policy for ``dp`` ranks: among the layouts padded by at most
-    ``max_padding``, least Newton–Schulz work on the busiest rank, then the larger group.
+    """The group size and policy for ``dp`` ranks: :func:`best_option` of
+    :func:`sharding_options` under ``policies``.
 
     Raises:
       ValueError: ``max_padding`` is not a number >= 0, or as :func:`sharding_option`.
@@ -177,10 +194,4 @@ def choose_groups(
       >>> choose_groups(specs, 8).shards  # four matrices: more than 4 shards only pad
       4
     """
-    if isinstance(max_padding, bool) or not (
-        isinstance(max_padding, (int, float)) and max_padding >= 0
-    ):
-        raise ValueError(f"choose_groups: max_padding must be a number >= 0; got {max_padding!r}.")
-    options = sharding_options(specs, dp, layout, policies=policies)
-    fitting = [o for o in options if o.padding <= max_padding] or [options[0]]
-    return min(fitting, key=lambda o: (o.max_rank_ns_flops, -o.shards))
+    return best_option(sharding_options(specs, dp, layout, policies=policies), max_padding)

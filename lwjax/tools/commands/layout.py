@@ -21,7 +21,7 @@ import json
 import pathlib
 
 from lwjax.cost import DEFAULT_NUM_NS_STEPS
-from lwjax.groups import MAX_PADDING, choose_groups, sharding_options
+from lwjax.groups import MAX_PADDING, best_option, sharding_options
 from lwjax.layout import DEFAULT_POLICY, POLICIES, LayoutConfig
 from lwjax.policies import compute_layout
 from lwjax.tools.commands.bench import bucket_size_arg
@@ -77,8 +77,7 @@ def _cmd_layout(args: argparse.Namespace) -> int:
         if args.expert_dp is not None:
             raise ValueError("--groups: sharding groups of expert buffers are not supported.")
         options = sharding_options(specs, args.dp, layout, policies=POLICIES)
-        best = choose_groups(specs, args.dp, layout, max_padding=args.max_padding)
-        chosen = next(o for o in options if (o.shards, o.policy) == (best.shards, best.policy))
+        chosen = best_option(options, args.max_padding)
         if args.json:
             print_json(groups_json(options, chosen))
         else:
