@@ -62,7 +62,7 @@ from lwjax.checkpoint_record import (
 from lwjax.checkpoint_record import fingerprints as fingerprints
 from lwjax.logical import LogicalState, from_logical, logical_sharding, to_logical
 from lwjax.optimizer import LayerwiseOptimizer
-from lwjax.routing import LeafRoute
+from lwjax.routing import LeafRoute, path_name
 from lwjax.step import LayerwiseState
 
 ARRAYS_ITEM = "arrays"
@@ -401,16 +401,18 @@ def read_record(path) -> dict:
 
 def _target(optimizer: LayerwiseOptimizer, params_like):
     """Abstract ``{"params", "state"}`` tree of the optimizer, with target shardings."""
-    replicated = NamedSharding(optimizer.mesh, P())
     if params_like is None:
         leaves = [jax.ShapeDtypeStruct(r.shape, jnp.dtype(r.dtype)) for r in optimizer.plan.routes]
         params_like = jax.tree_util.tree_unflatten(optimizer.plan.treedef, leaves)
-    # In the dtypes jax holds (init casts float64 to float32 while x64 is off), as saved.
-    abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
+    # In the dtypes jax holds (init casts float64 to float32 while x64 is off), as saved; where
+    # params_like gives no sharding, as the optimizer holds them (split leaves split).
+    shardings = optimizer.leaf_shardings()
+    abstract_params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(
             x.shape,
             jax.dtypes.canonicalize_dtype(x.dtype),
-            sharding=getattr(x, "sharding", None) or replicated,
+            sharding=getattr(x, "sharding", None)
+            or shardings.get(path_name(path), NamedSharding(optimizer.mesh, P())),
         ),
         params_like,
     )
@@ -498,15 +500,16 @@ def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any,
     """Restore parameters and optimizer state onto ``optimizer``'s mesh, dp size and layout.
 
     Inverse of :func:`save`. The target optimizer defines where everything
-    goes: parameters come back replicated on its mesh (or with
-    ``params_like``'s shardings), the state packed for its layout.
+    goes: parameters come back on its mesh as it holds them (replicated, or
+    split over its expert and tensor-parallel axes; or with ``params_like``'s
+    shardings), the state packed for its layout.
 
     Args:
       path: A checkpoint written by :func:`save` or :func:`save_logical`.
       optimizer: The target :class:`~lwjax.optimizer.LayerwiseOptimizer`.
       params_like: Optional parameter pytree of arrays or ``jax.ShapeDtypeStruct``
         (with ``sharding``) giving the parameters' dtypes and placement;
-        defaults to the optimizer's routed shapes and dtypes, replicated.
+        defaults to the optimizer's routed shapes and dtypes, placed as it holds them.
 
     Returns:
       ``(params, state)``.

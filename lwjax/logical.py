@@ -48,19 +48,61 @@ def _leaves(tree) -> list:
     return jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)[0]
 
 
-def _merge_experts(x: jax.Array, route) -> jax.Array:
-    """``[ep, *local_shape]`` to the global leaf: group ``e``'s expert ``j`` is ``e E/ep + j``."""
-    return jnp.moveaxis(x, 0, route.expert_dim).reshape(route.shape)
+def _merge_blocks(x: jax.Array, dim: int) -> jax.Array:
+    """``[n, *block]`` to the blocks joined on axis ``dim``, block ``j`` at ``j * block[dim]``."""
+    n, *block = x.shape
+    block[dim] *= n
+    return jnp.moveaxis(x, 0, dim).reshape(block)
 
 
-def _split_experts(x: jax.Array, route, ep: int) -> jax.Array:
-    """Inverse of :func:`_merge_experts`: a global expert leaf to ``[ep, *local_shape]``."""
-    d = route.expert_dim
-    return jnp.moveaxis(x.reshape(*route.shape[:d], ep, -1, *route.shape[d + 1 :]), d, 0)
+def _split_blocks(x: jax.Array, dim: int, n: int) -> jax.Array:
+    """Inverse of :func:`_merge_blocks`: ``x`` cut into ``n`` blocks on axis ``dim``, stacked."""
+    shape = x.shape
+    return jnp.moveaxis(x.reshape(*shape[:dim], n, -1, *shape[dim + 1 :]), dim, 0)
 
 
 def _unpack_global(optimizer: LayerwiseOptimizer, buffers, dtypes):
     """:func:`~lwjax.buffers.unpack` of global state arrays into global (logical) leaves.
+
+    With tensor parallelism a bucket's global array is one per tensor-parallel
+    device (``tp``-major): each unpacks into that device's blocks, joined on
+    the leaf's split axis (a leaf every device holds whole is taken from the first).
+    """
+    plan = optimizer.plan
+    tp = plan.axes.tp_size
+    if tp == 1:
+        return _unpack_group(optimizer, buffers, dtypes)
+    per_device = [None if x is None else tuple(b.reshape(tp, -1) for b in x) for x in buffers]
+    blocks = jax.vmap(lambda bufs: _unpack_group(optimizer, bufs, dtypes))(per_device)
+    leaves = [
+        None if y is None else y[0] if r.tensor_dim is None else _merge_blocks(y, r.tensor_dim)
+        for y, r in zip(_leaves(blocks), plan.routes)
+    ]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
+    """Inverse of :func:`_unpack_global`: global (logical) leaves into each bucket's state array."""
+    plan = optimizer.plan
+    tp = plan.axes.tp_size
+    if tp == 1:
+        return _pack_group(optimizer, tree, dtypes)
+    blocks = [
+        None
+        if x is None
+        else jnp.broadcast_to(x, (tp, *x.shape))
+        if r.tensor_dim is None
+        else _split_blocks(x, r.tensor_dim, tp)
+        for x, r in zip(_leaves(tree), plan.routes)
+    ]
+    per_device = jax.vmap(lambda t: _pack_group(optimizer, t, dtypes))(
+        jax.tree_util.tree_unflatten(plan.treedef, blocks)
+    )
+    return tuple(None if x is None else tuple(b.reshape(-1) for b in x) for x in per_device)
+
+
+def _unpack_group(optimizer: LayerwiseOptimizer, buffers, dtypes):
+    """:func:`_unpack_global` for one tensor-parallel device's state arrays (its blocks).
 
     A dense bucket's global array is the bucket itself. An expert bucket's is
     ``ep`` whole buckets, one per expert group (``ep``-major): each unpacks
@@ -78,14 +120,14 @@ def _unpack_global(optimizer: LayerwiseOptimizer, buffers, dtypes):
     ]
     local = _leaves(jax.vmap(lambda bufs: unpack(plan, bufs, dtypes=dtypes))(groups))
     leaves = [
-        x if not r.is_expert or y is None else _merge_experts(y, r)
+        x if not r.is_expert or y is None else _merge_blocks(y, r.expert_dim)
         for x, y, r in zip(_leaves(dense), local, plan.routes)
     ]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
-def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
-    """Inverse of :func:`_unpack_global`: global (logical) leaves into each bucket's state array."""
+def _pack_group(optimizer: LayerwiseOptimizer, tree, dtypes):
+    """Inverse of :func:`_unpack_group`."""
     plan = optimizer.plan
     expert = [b.key.is_expert_parallel for b in plan.buffers]
     leaves = _leaves(tree)
@@ -99,7 +141,7 @@ def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
     local_tree = jax.tree_util.tree_unflatten(
         plan.treedef,
         [
-            _split_experts(x, r, ep) if r.is_expert and x is not None else None
+            _split_blocks(x, r.expert_dim, ep) if r.is_expert and x is not None else None
             for x, r in zip(leaves, plan.routes)
         ],
     )

@@ -26,6 +26,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from lwjax.newton_schulz import (
     COEFFICIENT_ALIASES,
@@ -42,6 +43,31 @@ from lwjax.newton_schulz import (
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
+TensorParallelMode = Literal["duplicated", "distributed", "blockwise"]
+TP_MODES: tuple[str, ...] = ("duplicated", "distributed", "blockwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """How a stack ``[..., m, n]`` is split over a tensor-parallel mesh axis (in ``shard_map``).
+
+    Each device of ``axis_name`` holds a contiguous block of every matrix
+    along ``dim``, in device order; the whole matrix is ``size`` blocks.
+
+    Attributes:
+      axis_name: The tensor-parallel mesh axis.
+      size: Its size.
+      dim: The split axis, -2 (rows) or -1 (columns).
+    """
+
+    axis_name: str
+    size: int
+    dim: int
+
+    def full(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The whole matrix's ``(m, n)`` from one block's."""
+        m, n = shape
+        return (m * self.size, n) if self.dim == -2 else (m, n * self.size)
 
 
 def _spectral_scale(size_out: int, size_in: int) -> float:
@@ -168,12 +194,20 @@ def orthogonalize(
 
 
 def _polar(
-    update: jax.Array, coefficient_type, num_ns_steps, precision, qkv_split_shapes
+    update: jax.Array,
+    coefficient_type,
+    num_ns_steps,
+    precision,
+    qkv_split_shapes,
+    tensor: TensorSplit | None = None,
+    tp_mode: str = "duplicated",
 ) -> jax.Array:
     """Newton–Schulz of the matrix, or of each QKV piece with its rows put back, unscaled.
 
     Kept in the iteration's storage dtype (bf16 under ``"medium"``): rounding it
-    there again loses nothing.
+    there again loses nothing. With ``tensor``, ``update`` is this device's
+    block of each matrix (and of each QKV piece); ``tp_mode`` says how the
+    whole matrix is orthogonalised (:class:`MuonConfig`).
     """
     ns = functools.partial(
         newton_schulz,
@@ -182,6 +216,10 @@ def _polar(
         precision=precision,
         dtype=_storage_dtype(update.dtype, precision),
     )
+    if tensor is not None and tp_mode == "distributed":
+        ns = functools.partial(ns, sharded=(tensor.axis_name, tensor.dim))
+    elif tensor is not None and tp_mode == "duplicated":
+        ns = functools.partial(_exchanged, ns, tensor)
     if qkv_split_shapes is None:
         return ns(update)
     *batch, m, n = update.shape
@@ -203,18 +241,61 @@ def _polar(
     return jnp.concatenate(done, axis=-2).reshape(update.shape)
 
 
-def _row_scales(shape: tuple[int, int], scale_mode, qkv_split_shapes) -> np.ndarray:
+def _exchanged(ns, tensor: TensorSplit, block: jax.Array) -> jax.Array:
+    """``ns`` of the whole matrices, each computed once; this device's block of each back.
+
+    The ``duplicated`` mode's update, without its duplicated work: matrix ``j``
+    of the stack (padded with zero matrices to a multiple of the axis size
+    ``t``) is assembled on device ``j // ceil(count / t)`` of the axis from
+    every device's block (one ``all_to_all``), orthogonalised there whole, and
+    its blocks are sent back (another). Each device moves ``(t-1)/t`` of its
+    blocks each way, where an ``all_gather`` moves ``t-1`` times them, and runs
+    Newton–Schulz on ``1/t`` of the matrices (Megatron's proposed
+    ``layer_sharded`` mode does the same).
+    """
+    t = tensor.size
+    *lead, r, c = block.shape
+    count = math.prod(lead)
+    per = -(-count // t)
+    flat = block.reshape(count, r, c)
+    if per * t > count:
+        flat = jnp.concatenate([flat, jnp.zeros((per * t - count, r, c), flat.dtype)])
+    # received[s]: source s's blocks of the matrices this device assembles.
+    received = lax.all_to_all(flat.reshape(t, per, r, c), tensor.axis_name, 0, 0)
+    rows = tensor.dim == -2
+    whole = jnp.moveaxis(received, 0, 1 if rows else 2).reshape(
+        (per, t * r, c) if rows else (per, r, t * c)
+    )
+    done = ns(whole)
+    blocks = jnp.moveaxis(
+        done.reshape((per, t, r, c) if rows else (per, r, t, c)), 1 if rows else 2, 0
+    )
+    # back[g]: this device's block of the matrices device g assembled.
+    back = lax.all_to_all(blocks, tensor.axis_name, 0, 0)
+    return back.reshape(t * per, r, c)[:count].reshape(block.shape)
+
+
+def _row_scales(
+    shape: tuple[int, int], scale_mode, qkv_split_shapes, full: tuple[int, int] | None = None
+) -> np.ndarray:
     """Each row's :func:`get_muon_scale_factor` (its QKV piece's) as a float64 ``[m, 1]`` column.
 
-    ``[1, 1]`` when the matrix is not split.
+    ``[1, 1]`` when the matrix is not split. ``full``: ``shape`` is a block of
+    a matrix of this shape, which the scales are taken from (QKV pieces keep
+    their rows' share of it).
     """
     m, n = shape
+    full_m, full_n = full or shape
     if qkv_split_shapes is None:
-        return np.full((1, 1), get_muon_scale_factor(m, n, scale_mode))
+        return np.full((1, 1), get_muon_scale_factor(full_m, full_n, scale_mode))
     split = _check_qkv_split(qkv_split_shapes, m)
     groups = m // sum(split)
+    full_groups = full_m * groups // m
     group = np.concatenate(
-        [np.full(rows, get_muon_scale_factor(groups * rows, n, scale_mode)) for rows in split]
+        [
+            np.full(rows, get_muon_scale_factor(full_groups * rows, full_n, scale_mode))
+            for rows in split
+        ]
     )
     return np.tile(group, groups)[:, None]
 
@@ -259,6 +340,17 @@ class MuonConfig:
       fp32_matmul_prec: Newton–Schulz matmul precision, one of ``PRECISIONS``.
       split_qkv: Whether fused QKV weights are orthogonalised per Q/K/V piece
         (only where the caller passes ``qkv_split_shapes``).
+      tp_mode: How a matrix split over tensor parallelism is orthogonalised
+        (Megatron's ``--muon-tp-mode``), one of ``TP_MODES``:
+        ``"duplicated"`` orthogonalises the whole matrix (Megatron gathers it
+        on every device and each runs Newton–Schulz; lwjax assembles each
+        matrix on one device of the axis, runs it once there and sends the
+        blocks back); ``"distributed"`` iterates on the
+        blocks, summing the norm and each Gram matrix over the axis (no
+        gather; the same result up to rounding); both scale by the whole
+        matrix's shape, so the update does not depend on the tensor-parallel
+        size. ``"blockwise"`` orthogonalises and scales each block as a
+        matrix of its own, so the update does (Megatron-Core 0.19's default).
     """
 
     momentum: float = 0.95
@@ -269,6 +361,7 @@ class MuonConfig:
     extra_scale_factor: float = 1.0
     fp32_matmul_prec: Precision = "medium"
     split_qkv: bool = True
+    tp_mode: TensorParallelMode = "duplicated"
 
     def __post_init__(self):
         for name, kind, label in (
@@ -296,6 +389,7 @@ class MuonConfig:
         _check_choice("MuonConfig.coefficient_type", self.coefficient_type, COEFFICIENT_TYPES)
         _check_choice("MuonConfig.scale_mode", self.scale_mode, SCALE_MODES)
         _check_choice("MuonConfig.fp32_matmul_prec", self.fp32_matmul_prec, PRECISIONS)
+        _check_choice("MuonConfig.tp_mode", self.tp_mode, TP_MODES)
         _check_num_ns_steps("MuonConfig.num_ns_steps", self.num_ns_steps)
 
 
@@ -378,6 +472,7 @@ def muon_polar(
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
     skip: jax.Array | None = None,
+    tensor: TensorSplit | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""The first half of :func:`muon_update`, which needs no parameter: new momentum and :math:`Q`.
 
@@ -396,6 +491,11 @@ def muon_polar(
     comes before :math:`\mathrm{NS}` reads the momentum, so XLA can compute
     the new momentum and its norm in one pass.
 
+    ``tensor``: the arrays are this device's blocks of matrices split over a
+    tensor-parallel axis (inside ``shard_map``); :math:`Q` is the block of the
+    whole matrix's polar factor, or of the block's own under
+    ``config.tp_mode == "blockwise"``.
+
     Returns:
       ``(polar, new_momentum)``.
 
@@ -410,7 +510,13 @@ def muon_polar(
     update = _lerp(grad, momentum, beta) if config.nesterov else momentum
     split = qkv_split_shapes if config.split_qkv else None
     return _polar(
-        update, config.coefficient_type, config.num_ns_steps, config.fp32_matmul_prec, split
+        update,
+        config.coefficient_type,
+        config.num_ns_steps,
+        config.fp32_matmul_prec,
+        split,
+        tensor,
+        config.tp_mode,
     ), momentum
 
 
@@ -422,6 +528,7 @@ def apply_polar(
     weight_decay: float | jax.Array,
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
+    tensor: TensorSplit | None = None,
 ) -> jax.Array:
     r"""The second half of :func:`muon_update`: scale :func:`muon_polar`'s :math:`Q`, take the step.
 
@@ -432,7 +539,9 @@ def apply_polar(
     :math:`s` is :func:`get_muon_scale_factor` of the matrix, or of each row's
     QKV piece, and :math:`\gamma` is ``config.extra_scale_factor``; :math:`O`
     is formed in ``param``'s dtype (the fp32 masters'). Decay is skipped when
-    it is a literal zero, as Megatron does.
+    it is a literal zero, as Megatron does. With ``tensor`` (blocks of split
+    matrices), :math:`s` is the whole matrix's, except under
+    ``config.tp_mode == "blockwise"``.
 
     Returns:
       The new parameters, in ``param``'s dtype.
@@ -443,9 +552,15 @@ def apply_polar(
     _check_config("apply_polar", config)
     _check_same_matrices("apply_polar", param=param, polar=polar)
     split = qkv_split_shapes if config.split_qkv else None
+    whole = tensor is not None and config.tp_mode != "blockwise"
     direction = _scaled(
         polar,
-        _row_scales(polar.shape[-2:], config.scale_mode, split),
+        _row_scales(
+            polar.shape[-2:],
+            config.scale_mode,
+            split,
+            tensor.full(polar.shape[-2:]) if whole else None,
+        ),
         config.extra_scale_factor,
         param.dtype,
     )

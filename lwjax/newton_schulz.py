@@ -135,20 +135,25 @@ def _storage_dtype(dtype, precision: str):
     return jnp.bfloat16 if precision == "medium" else jnp.promote_types(dtype, jnp.float32)
 
 
-def _iterate_exact(y: jax.Array, steps, *, precision, acc_dtype) -> jax.Array:
+def _iterate_exact(y: jax.Array, steps, *, precision, acc_dtype, reduce=None) -> jax.Array:
     """Newton–Schulz in Megatron's order (``addmm``): each product and sum rounds to ``y.dtype``.
 
     .. math:: A = X X^\\top, \\quad B = b A + c A^2, \\quad X \\leftarrow a X + B X
+
+    ``reduce`` sums each Gram matrix over the devices holding blocks of ``X``'s columns.
     """
     matmul = functools.partial(jnp.matmul, precision=precision, preferred_element_type=acc_dtype)
     for a, b, c in steps:
-        gram = matmul(y, jnp.swapaxes(y, -1, -2)).astype(y.dtype)
+        gram = matmul(y, jnp.swapaxes(y, -1, -2))
+        gram = (gram if reduce is None else reduce(gram)).astype(y.dtype)
         poly = (b * gram.astype(acc_dtype) + c * matmul(gram, gram)).astype(y.dtype)
         y = (a * y.astype(acc_dtype) + matmul(poly, y)).astype(y.dtype)
     return y
 
 
-def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype, tall: bool = False) -> jax.Array:
+def _iterate_folded(
+    y: jax.Array, steps, *, precision, acc_dtype, tall: bool = False, reduce=None
+) -> jax.Array:
     """The same iteration with ``a`` folded into the small matrix, for GPUs: one matmul per update.
 
     .. math:: A = X X^\\top, \\quad X \\leftarrow (a I + b A + c A^2)\\, X
@@ -168,17 +173,24 @@ def _iterate_folded(y: jax.Array, steps, *, precision, acc_dtype, tall: bool = F
 
     On bf16 stacks that :func:`lwjax.gram.fits`, both symmetric products
     compute only their upper tiles (:func:`lwjax.gram.upper_gram`).
+    ``reduce`` sums each Gram matrix (in ``acc_dtype``, before it rounds) over
+    the devices holding blocks of the contracted axis.
     """
     dot = functools.partial(_contract, precision=precision)
     axis = -2 if tall else -1
     eye = jnp.eye(y.shape[-1] if tall else y.shape[-2], dtype=acc_dtype)
     use_kernel = gram_lib.fits(y.shape, axis, y.dtype)
+    gram_dtype = y.dtype if reduce is None else acc_dtype
     for a, b, c in steps:
         if use_kernel:  # upper tiles only; the exactly symmetric A makes A A^T equal A A
-            gram = gram_lib.upper_gram(y, axis, y.dtype)
+            gram = gram_lib.upper_gram(y, axis, gram_dtype)
+        else:
+            gram = dot(y, y, axis, dtype=gram_dtype)
+        if reduce is not None:
+            gram = reduce(gram).astype(y.dtype)
+        if use_kernel:
             square = gram_lib.upper_gram(gram, -1, acc_dtype)
         else:
-            gram = dot(y, y, axis, dtype=y.dtype)
             square = dot(gram, gram, -1, -2, dtype=acc_dtype)
         factor = (a * eye + b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
         y = dot(y, factor, -1, -1, dtype=y.dtype) if tall else dot(factor, y, -1, -2, dtype=y.dtype)
@@ -200,9 +212,11 @@ def _contract(
     return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=dtype)
 
 
-def _normalized(x: jax.Array, eps: float, dtype) -> jax.Array:
-    """:math:`x / \\max(\\lVert x \\rVert_F, \\epsilon)` per matrix, rounded to ``dtype``."""
-    norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+def _normalized(x: jax.Array, eps: float, dtype, reduce=None) -> jax.Array:
+    """:math:`x / \\max(\\lVert x \\rVert_F, \\epsilon)` per matrix, rounded to ``dtype``;
+    ``reduce`` sums the squares over the devices holding the matrix's blocks."""
+    squares = jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)
+    norm = jnp.sqrt(squares if reduce is None else reduce(squares))
     return (x / jnp.maximum(norm, eps)).astype(dtype)
 
 
@@ -214,6 +228,7 @@ def newton_schulz(
     eps: float = 1e-7,
     precision: Precision = "highest",
     dtype: jnp.dtype | None = None,
+    sharded: tuple[str, int] | None = None,
 ) -> jax.Array:
     r"""Approximately orthogonalise each matrix of a stack by Newton–Schulz iteration.
 
@@ -254,6 +269,14 @@ def newton_schulz(
         with products and linear combinations accumulated in fp32.
       dtype: Output dtype, ``x``'s by default. The iterate is bf16 under ``"medium"``,
         so a bf16 output loses nothing there and takes half the bytes of fp32.
+      sharded: ``(axis_name, dim)``: ``x`` is this device's block of each
+        matrix, split along ``dim`` (-2 rows, -1 columns) over the mesh axis
+        ``axis_name`` (inside ``shard_map``), as Megatron's ``distributed``
+        tensor-parallel mode runs it. The iteration is oriented so that the
+        Gram matrix contracts the split axis (a row split is iterated
+        transposed, whatever the shape), and the squared Frobenius norm and
+        every Gram matrix are summed over the axis (in fp32): the result is
+        the block of the whole matrix's iterate, without gathering it.
 
     Returns:
       Array of ``x``'s shape, in ``dtype``.
@@ -282,21 +305,29 @@ def newton_schulz(
     acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
     store_dtype = _storage_dtype(x.dtype, precision)
     tall = x.shape[-2] > x.shape[-1]
+    reduce = None
+    if sharded is not None:
+        axis_name, dim = sharded
+        if dim not in (-2, -1):
+            raise ValueError(f"newton_schulz: sharded dim must be -2 or -1; got {sharded=}.")
+        tall = dim == -2
+        reduce = functools.partial(lax.psum, axis_name=axis_name)
     options = dict(
         steps=_coefficient_schedule(coefficient_type, num_ns_steps),
         precision=_LAX_PRECISION[precision],
         acc_dtype=acc_dtype,
+        reduce=reduce,
     )
 
     def megatron_order(y):
         """Transpose a tall matrix, normalise, iterate, transpose back."""
         if tall:
             y = jnp.swapaxes(y, -1, -2)
-        y = _iterate_exact(_normalized(y, eps, store_dtype), **options)
+        y = _iterate_exact(_normalized(y, eps, store_dtype, reduce), **options)
         return jnp.swapaxes(y, -1, -2) if tall else y
 
     def folded(y):
-        return _iterate_folded(_normalized(y, eps, store_dtype), tall=tall, **options)
+        return _iterate_folded(_normalized(y, eps, store_dtype, reduce), tall=tall, **options)
 
     on_cuda = folded if coefficient_type in _FOLDED_TABLES else megatron_order
     y = lax.platform_dependent(x.astype(acc_dtype), default=megatron_order, cuda=on_cuda)

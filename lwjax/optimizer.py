@@ -39,6 +39,7 @@ from lwjax.routing import (
     param_specs,
     path_name,
     route_leaves,
+    with_tensor_parallel,
 )
 from lwjax.schedule import schedule_buckets
 from lwjax.shards import PARAM_SYNCS
@@ -151,9 +152,11 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         local gradients and parameters (expert leaves local, see ``param_specs``).
       state_specs: ``PartitionSpec`` pytree of the state, for ``shard_map``.
       expert_axis: Name of the expert-parallel mesh axis, or ``None``.
+      tensor_axis: Name of the tensor-parallel mesh axis, or ``None``.
       param_specs: ``PartitionSpec`` pytree (prefix) of the parameters:
         ``P()`` for dense leaves, the expert axis split over ``expert_axis``
-        for expert leaves; just ``P()`` when nothing is split.
+        for expert leaves, the tensor-parallel axis over ``tensor_axis`` for
+        split leaves; just ``P()`` when nothing is split.
     """
 
     plan: StepPlan
@@ -162,6 +165,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
     local_update: Callable
     state_specs: LayerwiseState
     expert_axis: str | None
+    tensor_axis: str | None
     param_specs: Any
 
     def __new__(
@@ -175,12 +179,14 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         local_update: Callable,
         state_specs: LayerwiseState,
         expert_axis: str | None = None,
+        tensor_axis: str | None = None,
         param_specs: Any = None,
     ):
         self = super().__new__(cls, init, update)
         self.plan, self.mesh, self.axis = plan, mesh, axis
         self.local_update, self.state_specs = local_update, state_specs
-        self.expert_axis, self.param_specs = expert_axis, param_specs
+        self.expert_axis, self.tensor_axis = expert_axis, tensor_axis
+        self.param_specs = param_specs
         return self
 
     def __copy__(self) -> LayerwiseOptimizer:
@@ -214,6 +220,14 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         before it and ``expert_axis`` after it when given."""
         return self.plan.axes.data
 
+    def leaf_shardings(self) -> dict[str, NamedSharding]:
+        """Per routed leaf path, where its global array lives: whole on every device, or
+        split over ``expert_axis`` / ``tensor_axis`` as :attr:`param_specs` says."""
+        return {
+            r.path: NamedSharding(self.mesh, _param_spec(r, self.expert_axis, self.tensor_axis))
+            for r in self.plan.routes
+        }
+
     @property
     def num_data(self) -> int:
         """Number of data-parallel devices (``replica * dp * ep``)."""
@@ -238,6 +252,7 @@ def layerwise_muon(
     axis: str = "dp",
     expert_axis: str | None = None,
     replica_axis: str | None = None,
+    tensor_axis: str | None = None,
     learning_rate: ScalarOrSchedule = 0.02,
     adam_learning_rate: ScalarOrSchedule | None = None,
     muon: MuonConfig = MuonConfig(),
@@ -276,6 +291,17 @@ def layerwise_muon(
     reduce-scattered within a group and summed across groups
     (:mod:`lwjax.groups` chooses the group size).
 
+    Tensor parallelism: with ``tensor_axis``, a leaf whose sharding
+    (``NamedSharding`` of an array or ``jax.ShapeDtypeStruct``) names that
+    axis on one of its dimensions is split over it, each device holding a
+    contiguous block (column- or row-parallel kernels, vocabulary-parallel
+    embeddings); other leaves are whole on every such device. The batch is
+    not split over ``tensor_axis``. Every tensor-parallel device lays out
+    its own blocks over the data-parallel axes (the same layout on each) and
+    keeps its own optimizer state. A Muon matrix split over the axis is
+    orthogonalised as ``muon.tp_mode`` says (Megatron's ``--muon-tp-mode``);
+    a leaf held whole by every device counts once in the gradient norm.
+
     Args:
       params: The (global) parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
       mesh: A mesh with a data-parallel axis named ``axis``.
@@ -283,6 +309,8 @@ def layerwise_muon(
       expert_axis: The expert-parallel axis, or ``None`` (expert leaves, if
         any, then live in expert buffers sharded over ``axis``).
       replica_axis: The axis across sharding groups, or ``None`` (one group).
+      tensor_axis: The tensor-parallel axis, or ``None``; which leaves are
+        split over it is read from their shardings.
       learning_rate: Muon learning rate, or a schedule of the step count.
       adam_learning_rate: Learning rate of the elementwise parameters;
         defaults to ``learning_rate`` (Megatron uses one schedule for both).
@@ -299,7 +327,8 @@ def layerwise_muon(
       A :class:`LayerwiseOptimizer`.
 
     Raises:
-      ValueError: ``axis``, ``expert_axis`` or ``replica_axis`` not in the mesh, a learning rate
+      ValueError: ``axis``, ``expert_axis``, ``replica_axis`` or ``tensor_axis`` not in
+        the mesh, a leaf sharded over another mesh axis, a learning rate
         that is not a finite number >= 0 (a schedule is checked at each step:
         a non-finite value skips the step), or a routing/layout rule broken.
 
@@ -322,7 +351,7 @@ def layerwise_muon(
             raise ValueError(
                 f"layerwise_muon: {name} must be a finite number >= 0 or a schedule; got {value!r}."
             )
-    axes = _mesh_axes(mesh, axis, expert_axis, replica_axis)
+    axes = _mesh_axes(mesh, axis, expert_axis, replica_axis, tensor_axis)
     plan = plan_step(
         plan_params(
             params,
@@ -331,6 +360,7 @@ def layerwise_muon(
             routing,
             grad_reduce_in_fp32=config.grad_reduce_in_fp32,
             matrix_convention=config.matrix_convention,
+            tensor_dims=None if tensor_axis is None else tensor_dims(params, axes),
         ),
         config,
         muon,
@@ -338,9 +368,9 @@ def layerwise_muon(
         learning_rate,
         adam_learning_rate,
     )
-    param_specs = P()  # a prefix of the parameters: replicated, unless expert leaves are split
-    leaf_specs = [P() if expert_axis is None else _param_spec(r, expert_axis) for r in plan.routes]
-    if expert_axis is not None and plan.has_experts:
+    param_specs = P()  # a prefix of the parameters: replicated, unless some leaves are split
+    leaf_specs = [_param_spec(r, expert_axis, tensor_axis) for r in plan.routes]
+    if any(spec != P() for spec in leaf_specs):
         param_specs = jax.tree_util.tree_unflatten(plan.treedef, leaf_specs)
     state_specs = _state_specs(plan)
     local_update = pipelined.update_pipelined if config.pipeline_muon else step_lib.update
@@ -354,6 +384,7 @@ def layerwise_muon(
         local_update=functools.partial(local_update, plan),
         state_specs=state_specs,
         expert_axis=expert_axis,
+        tensor_axis=tensor_axis,
         param_specs=param_specs,
     )
 
@@ -410,6 +441,57 @@ def axis_names(leaf) -> tuple[str | None, ...] | None:
     return None
 
 
+def tensor_dims(params, axes: MeshAxes) -> list[int | None]:
+    """Per array leaf (flatten order), the axis its sharding splits over ``axes.tp``, or ``None``.
+
+    Leaves without a ``NamedSharding`` (numpy arrays, abstract leaves given
+    none) are whole on every tensor-parallel device.
+
+    Raises:
+      ValueError: naming the leaf, when its sharding splits it over a mesh
+        axis other than the tensor-parallel and expert axes (sharded storage
+        is not supported), or over the tensor-parallel axis on two axes.
+    """
+    known = {axes.tp, axes.ep} - {None}
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: axis_names(x) is not None
+    )
+    dims = []
+    for path, leaf in flat:
+        value = getattr(leaf, "value", leaf) if axis_names(leaf) is not None else leaf
+        if not is_array_like(value):
+            continue
+        sharding = getattr(value, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        found = []
+        for dim, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            other = [n for n in names if n is not None and n not in known]
+            if other:
+                raise ValueError(
+                    f"layerwise_muon: {path_name(path)} is sharded over mesh axis "
+                    f"{other[0]!r} on axis {dim} ({spec}); parameters may be split only over "
+                    f"tensor_axis={axes.tp!r} (and the expert axis). Replicate it over "
+                    f"{other[0]!r}."
+                )
+            if axes.tp in names:
+                found.append(dim)
+        if len(found) > 1:
+            raise ValueError(
+                f"layerwise_muon: {path_name(path)} is split over {axes.tp!r} on axes {found} "
+                f"({spec}); split it on one axis."
+            )
+        dims.append(found[0] if found else None)
+    if axes.tp_size > 1 and all(d is None for d in dims):
+        warnings.warn(
+            f"layerwise_muon: tensor_axis={axes.tp!r} is given but no parameter's sharding "
+            "splits over it; every leaf is held whole by each tensor-parallel device. Pass "
+            "parameters (or jax.ShapeDtypeStruct) with their NamedShardings.",
+            stacklevel=3,
+        )
+    return dims
+
+
 def plan_params(
     params,
     axes: MeshAxes,
@@ -418,18 +500,24 @@ def plan_params(
     *,
     grad_reduce_in_fp32: bool = True,
     matrix_convention: MatrixConvention = "in_out",
+    tensor_dims: list[int | None] | None = None,
 ) -> ParamPlan:
     """Route a parameter pytree, lay it out over ``axes`` and build its per-rank tables.
 
     Dense buffers are laid out over the ``axes.group_size`` devices of a
     sharding group, expert buffers over ``axes.dp_size`` (expert leaves from
-    their local shapes, ``E / ep`` experts each). ``bucket_size="auto"``
-    resolves with all ``axes.num_data`` data-parallel devices, as Megatron's DDP
-    sizes buckets by the data-parallel world.
+    their local shapes, ``E / ep`` experts each; leaves split over
+    ``axes.tp`` on the ``tensor_dims`` axes from their blocks).
+    ``bucket_size="auto"`` resolves with all ``axes.num_data`` data-parallel
+    devices, as Megatron's DDP sizes buckets by the data-parallel world.
     """
     routes = route_params(
         params, routing, expert_parallel=axes.ep_size, matrix_convention=matrix_convention
     )
+    if tensor_dims is not None:
+        routes = with_tensor_parallel(
+            routes, tensor_dims, axes.tp_size, matrix_convention=matrix_convention
+        )
     full = compute_full_param_layout(
         param_specs(routes),
         axes.group_size,
@@ -488,13 +576,18 @@ def _schedule(value: ScalarOrSchedule) -> Callable[[jax.Array], jax.Array]:
 
 
 def _mesh_axes(
-    mesh: Mesh, axis: str, expert_axis: str | None, replica_axis: str | None = None
+    mesh: Mesh,
+    axis: str,
+    expert_axis: str | None,
+    replica_axis: str | None = None,
+    tensor_axis: str | None = None,
 ) -> MeshAxes:
     """Check the axis names against the mesh and return their :class:`MeshAxes`."""
     named = (
         ("axis", axis, "data-parallel"),
         ("expert_axis", expert_axis, "expert-parallel"),
         ("replica_axis", replica_axis, "sharding-group"),
+        ("tensor_axis", tensor_axis, "tensor-parallel"),
     )
     for _, name, what in named:
         if name is not None and name not in mesh.axis_names:
@@ -504,7 +597,7 @@ def _mesh_axes(
     given = [(arg, name) for arg, name, _ in named if name is not None]
     if len({name for _, name in given}) < len(given):
         raise ValueError(
-            "layerwise_muon: axis, expert_axis and replica_axis must differ; got "
+            "layerwise_muon: axis, expert_axis, replica_axis and tensor_axis must differ; got "
             + ", ".join(f"{arg}={name!r}" for arg, name in given)
             + "."
         )
@@ -515,6 +608,8 @@ def _mesh_axes(
         1 if expert_axis is None else mesh.shape[expert_axis],
         replica_axis,
         1 if replica_axis is None else mesh.shape[replica_axis],
+        tensor_axis,
+        1 if tensor_axis is None else mesh.shape[tensor_axis],
     )
 
 
@@ -548,11 +643,17 @@ def group_mesh(mesh: Mesh, shards: int, *, axis: str = "dp", replica_axis: str =
     return Mesh(devices, names)
 
 
-def _param_spec(route: LeafRoute, expert_axis: str) -> P:
-    """``P()`` for a dense leaf; an expert leaf's expert axis split over ``expert_axis``."""
-    if route.expert_dim is None:
-        return P()
-    return P(*([None] * route.expert_dim), expert_axis)
+def _param_spec(route: LeafRoute, expert_axis: str | None, tensor_axis: str | None) -> P:
+    """A leaf's ``PartitionSpec``: its expert axis over ``expert_axis`` (when given), its
+    tensor-parallel axis over ``tensor_axis``; ``P()`` for a leaf that is whole on every device."""
+    entries = [None] * len(route.shape)
+    if route.expert_dim is not None and expert_axis is not None:
+        entries[route.expert_dim] = expert_axis
+    if route.tensor_dim is not None:
+        entries[route.tensor_dim] = tensor_axis
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _state_specs(plan: StepPlan) -> LayerwiseState:

@@ -58,6 +58,10 @@ class MeshAxes:
       ep_size: Size of ``ep`` (1 when ``ep`` is ``None``).
       replica: The axis across sharding groups, or ``None`` (one group).
       replica_size: Size of ``replica`` (1 when ``replica`` is ``None``).
+      tp: The tensor-parallel axis, or ``None``. Each of its devices holds its
+        own block of every split leaf and runs the same plan on it; the batch
+        is not split over it, and its devices' optimizer states differ.
+      tp_size: Size of ``tp`` (1 when ``tp`` is ``None``).
     """
 
     dp: str
@@ -66,6 +70,8 @@ class MeshAxes:
     ep_size: int = 1
     replica: str | None = None
     replica_size: int = 1
+    tp: str | None = None
+    tp_size: int = 1
 
     @property
     def group(self) -> str | tuple[str, str]:
@@ -94,11 +100,25 @@ class MeshAxes:
         """The axes a buffer is reduce-scattered over and gathered from (in one group)."""
         return self.dp if key.is_expert_parallel else self.group
 
-    def state_axes(self, key: BufferKey) -> str | tuple[str, str]:
-        """Axes of a buffer's global state arrays: expert buckets ``ep``-major, one per group."""
+    def state_axes(self, key: BufferKey) -> str | tuple[str, ...]:
+        """Axes of a buffer's global state arrays: expert buckets ``ep``-major, one per group;
+        with tensor parallelism, one such array per ``tp`` device, ``tp``-major."""
         if key.is_expert_parallel and self.ep is not None:
-            return (self.ep, self.dp)
-        return self.group
+            axes = (self.ep, self.dp)
+        else:
+            group = self.group
+            axes = group if isinstance(group, tuple) else (group,)
+        if self.tp is not None:
+            axes = (self.tp, *axes)
+        return axes if len(axes) > 1 else axes[0]
+
+    @property
+    def statistics(self) -> str | tuple[str, ...]:
+        """The axes gradient statistics are summed over: a group's devices and ``tp``."""
+        group = self.group
+        if self.tp is None:
+            return group
+        return (*(group if isinstance(group, tuple) else (group,)), self.tp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +154,11 @@ class SlotGroup:
       names: ``names[r]``: the parameters behind rank ``r``'s real slots.
       lr_mult, wd_mult: The learning-rate and weight-decay multipliers shared
         by every matrix of the group.
+      tensor_split: The axis of ``shape`` (0 rows, 1 columns) split over
+        tensor parallelism: ``shape`` is one device's block of each matrix.
+        ``None``: the matrices are whole on each device.
+      tensor_replicated: Every tensor-parallel device holds the same matrices
+        (counted once in the step's statistics).
     """
 
     bucket: int
@@ -143,6 +168,8 @@ class SlotGroup:
     names: tuple[tuple[str, ...], ...]
     lr_mult: float = 1.0
     wd_mult: float = 1.0
+    tensor_split: int | None = None
+    tensor_replicated: bool = False
 
     @property
     def width(self) -> int:
@@ -278,13 +305,18 @@ def make_plan(
     for leaf, route in enumerate(routes):
         for index, name in enumerate(route.param_names()):
             where[name] = (leaf, index)
-    buffers = tuple(_plan_buffer(key, lay, routes, where) for key, lay in layout.layouts.items())
+    buffers = tuple(
+        _plan_buffer(key, lay, routes, where, axes.tp_size > 1)
+        for key, lay in layout.layouts.items()
+    )
     return ParamPlan(
         treedef=treedef, routes=tuple(routes), layout=layout, buffers=buffers, axes=axes
     )
 
 
-def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) -> BufferPlan:
+def _plan_buffer(
+    key: BufferKey, layout: PerBufferParamLayout, routes, where, tensor_parallel: bool
+) -> BufferPlan:
     """One buffer's segments, per-rank runs and padding, and (layer-wise) slot groups."""
     dp = layout.num_shards
     sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
@@ -316,6 +348,8 @@ def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
                 route.qkv_split_shapes,
                 route.lr_mult,
                 route.wd_mult,
+                route.tensor_split,
+                tensor_parallel and route.tensor_dim is None,
             )
             per_rank = owned.setdefault(group_key, [[] for _ in range(dp)])
             per_rank[rank].append((start - bucket_start - rank * size, name))
@@ -341,15 +375,28 @@ def _slot_groups(
     """
 
     def order(item):
-        bucket, shape, split, lr_mult, wd_mult = item[0]
-        return bucket, shape, split or (), lr_mult, wd_mult
+        bucket, shape, split, lr_mult, wd_mult, tensor_split, replicated = item[0]
+        return (
+            bucket,
+            shape,
+            split or (),
+            lr_mult,
+            wd_mult,
+            -1 if tensor_split is None else tensor_split,
+            replicated,
+        )
 
     groups = []
-    for (bucket, shape, split, lr_mult, wd_mult), per_rank in sorted(owned.items(), key=order):
+    for key, per_rank in sorted(owned.items(), key=order):
+        bucket, shape, split, lr_mult, wd_mult, tensor_split, replicated = key
         width = max(len(slots) for slots in per_rank)
         offsets = tuple(
             tuple(sorted(o for o, _ in s)) + (sizes[bucket],) * (width - len(s)) for s in per_rank
         )
         names = tuple(tuple(n for _, n in sorted(s)) for s in per_rank)
-        groups.append(SlotGroup(bucket, shape, split, offsets, names, lr_mult, wd_mult))
+        groups.append(
+            SlotGroup(
+                bucket, shape, split, offsets, names, lr_mult, wd_mult, tensor_split, replicated
+            )
+        )
     return tuple(groups)

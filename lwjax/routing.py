@@ -209,6 +209,11 @@ class LeafRoute:
         (split over the expert-parallel mesh axis); ``None`` otherwise.
       expert_parallel: Expert-parallel size: each device holds
         ``shape[expert_dim] / expert_parallel`` experts.
+      tensor_dim: The stored axis split over the tensor-parallel mesh axis
+        (each device holds a contiguous block of ``shape[tensor_dim] /
+        tensor_parallel``), or ``None`` when every tensor-parallel device
+        holds the whole leaf (:func:`with_tensor_parallel`).
+      tensor_parallel: Tensor-parallel size of a split leaf (1 otherwise).
       lr_mult: Learning-rate multiplier (Megatron's ``lr_mult``).
       wd_mult: Weight-decay multiplier (Megatron's ``wd_mult``).
       grad_norm_group: Name of a separate gradient-norm group, or ``None`` for
@@ -231,6 +236,8 @@ class LeafRoute:
     qkv_split_shapes: tuple[int, ...] | None = None
     expert_dim: int | None = None
     expert_parallel: int = 1
+    tensor_dim: int | None = None
+    tensor_parallel: int = 1
     lr_mult: float = 1.0
     wd_mult: float = 1.0
     grad_norm_group: str | None = None
@@ -244,8 +251,54 @@ class LeafRoute:
 
     @property
     def param_shape(self) -> tuple[int, ...]:
-        """Shape of each stacked parameter (in the view's order)."""
+        """Shape of each (device-local) stacked parameter, in the view's order.
+
+        A Muon matrix's ``[rows, cols]``; with tensor parallelism, the block
+        one device holds (:attr:`full_param_shape` is the whole matrix).
+        """
+        return self._merged(self.local_shape)[self.stack_dims :]
+
+    @property
+    def full_param_shape(self) -> tuple[int, ...]:
+        """Shape of each stacked parameter as the whole tensor-parallel group holds it."""
         return (self.view or self.shape)[self.stack_dims :]
+
+    @property
+    def tensor_split(self) -> int | None:
+        """The axis of :attr:`param_shape` split over tensor parallelism (0 rows, 1 columns), or
+        ``None`` when the parameter is whole on each device (also when a stacked axis is split)."""
+        if self.tensor_dim is None:
+            return None
+        position = (
+            self.tensor_dim if self.axes_order is None else self.axes_order.index(self.tensor_dim)
+        )
+        view_axis = next(
+            j for j, (start, end) in enumerate(self._spans()) if start <= position < end
+        )
+        return view_axis - self.stack_dims if view_axis >= self.stack_dims else None
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """Per axis of the view, the range of transposed stored axes merged into it."""
+        ordered = (
+            self.shape if self.axes_order is None else tuple(self.shape[a] for a in self.axes_order)
+        )
+        if self.view is None:
+            return [(a, a + 1) for a in range(len(ordered))]
+        spans, start = [], 0
+        for j, size in enumerate(self.view):
+            end, product = start, 1
+            last = j == len(self.view) - 1
+            while end < len(ordered) and (end == start or product != size or last):
+                product *= ordered[end]
+                end += 1
+            spans.append((start, end))
+            start = end
+        return spans
+
+    def _merged(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``shape`` (stored order) transposed and merged into the view's axes."""
+        ordered = shape if self.axes_order is None else tuple(shape[a] for a in self.axes_order)
+        return tuple(math.prod(ordered[start:end]) for start, end in self._spans())
 
     @property
     def local_view(self) -> tuple[int, ...]:
@@ -255,11 +308,13 @@ class LeafRoute:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """The leaf's shape on one device: the expert axis divided by ``expert_parallel``."""
-        if self.expert_dim is None:
-            return self.shape
+        """The leaf's shape on one device: the expert axis divided by ``expert_parallel``, the
+        tensor-parallel axis by ``tensor_parallel``."""
         shape = list(self.shape)
-        shape[self.expert_dim] //= self.expert_parallel
+        if self.expert_dim is not None:
+            shape[self.expert_dim] //= self.expert_parallel
+        if self.tensor_dim is not None:
+            shape[self.tensor_dim] //= self.tensor_parallel
         return tuple(shape)
 
     @property
@@ -570,7 +625,9 @@ def routing_table(routes: Iterable[LeafRoute]) -> list[tuple[str, str, str, str,
     for r in routes:
         batch = (r.view or r.shape)[: r.stack_dims]
         count = f"{math.prod(batch)} × " if batch else ""
-        view = f"{count}{list(r.param_shape)}" if r.is_muon else "-"
+        view = f"{count}{list(r.full_param_shape)}" if r.is_muon else "-"
+        if r.is_muon and r.tensor_split is not None:
+            view += f" ({'rows' if r.tensor_split == 0 else 'cols'} / {r.tensor_parallel})"
         optimizer = "Muon" if r.is_muon else ("AdamW (tied)" if r.is_tied else "AdamW")
         rows.append((r.path, str(list(r.shape)), view, optimizer, r.why))
     return rows
@@ -600,6 +657,64 @@ def _expert_dim(name: str, shape: tuple[int, ...], stack: int, value, expert_par
             f"expert_parallel={expert_parallel}."
         )
     return dim
+
+
+def with_tensor_parallel(
+    routes: Sequence[LeafRoute],
+    tensor_dims: Sequence[int | None],
+    tensor_parallel: int,
+    *,
+    matrix_convention: str = "in_out",
+) -> tuple[LeafRoute, ...]:
+    """``routes`` with each leaf's tensor-parallel axis set, checked for what the step needs.
+
+    Args:
+      routes: The routes of :func:`route_leaves`, global shapes.
+      tensor_dims: Per route, the stored axis split over the tensor-parallel
+        mesh axis (read from the leaf's sharding), or ``None`` for a leaf every
+        tensor-parallel device holds whole.
+      tensor_parallel: The tensor-parallel mesh axis size.
+      matrix_convention: As for :func:`route_leaves` (which matrix axis is the output).
+
+    Raises:
+      ValueError: naming the leaf, for an axis out of range, one that does not
+        divide by ``tensor_parallel``, the expert axis, or a fused QKV matrix
+        whose local rows are not whole query groups.
+    """
+    if len(tensor_dims) != len(routes):
+        raise ValueError(
+            f"with_tensor_parallel: {len(tensor_dims)} tensor dims for {len(routes)} routes."
+        )
+    out = []
+    for route, dim in zip(routes, tensor_dims):
+        if dim is None or tensor_parallel == 1:
+            out.append(route)
+            continue
+        name, shape = route.path, route.shape
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(shape):
+            raise ValueError(f"{name}: tensor-parallel axis {dim!r} is not an axis of {shape=}.")
+        if shape[dim] % tensor_parallel:
+            raise ValueError(
+                f"{name}: axis {dim} of {shape=} does not divide by the tensor-parallel size "
+                f"{tensor_parallel}."
+            )
+        if dim == route.expert_dim:
+            raise ValueError(
+                f"{name}: axis {dim} is the expert axis; it cannot also be split over the "
+                "tensor-parallel axis."
+            )
+        split = dataclasses.replace(route, tensor_dim=dim, tensor_parallel=tensor_parallel)
+        if route.qkv_split_shapes is not None:
+            rows = split.param_shape[1 if matrix_convention == "in_out" else 0]
+            if rows % sum(route.qkv_split_shapes):
+                raise ValueError(
+                    f"{name}: split over tensor parallelism on axis {dim}, a device's block "
+                    f"{list(split.param_shape)} does not hold whole query groups of "
+                    f"qkv_split={route.qkv_split_shapes} (split a fused QKV matrix by its "
+                    "query groups, on the output axis)."
+                )
+        out.append(split)
+    return tuple(out)
 
 
 def is_finite_nonnegative(value) -> bool:

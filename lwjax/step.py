@@ -24,6 +24,12 @@ One step (:func:`update`):
    (``all_gather``, or Megatron's broadcast);
 6. unpack the gathered buckets into the parameter pytree.
 
+With a tensor-parallel axis every device holds its blocks of the split
+leaves and runs all of this on them (the same plan on every such device):
+phase 3 sums over that axis too, counting leaves held whole on its first
+device only, and phase 4 orthogonalises split matrices as
+``MuonConfig.tp_mode`` says (:func:`tensor_split`).
+
 Phases 4 and 5 run bucket by bucket in the order of the plan's
 :class:`~lwjax.schedule.BucketSchedule`, which pairs each gather with a later
 bucket's update so that it hides behind Newton–Schulz. The speculative variant,
@@ -190,15 +196,21 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     ]
     num_groups = len(plan.norm_groups)
     dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
+    counted = _counted(plan, ranks)
+    grad_shards = [
+        [x if c is True else jnp.where(c, x, 1) for x, c in zip(buckets, kept)]
+        for buckets, kept in zip(grad_shards, counted)
+    ]
 
     def per_group(value, reduce, combine) -> jax.Array:
         """``[num_groups]``: ``reduce`` (sum or max) of ``value(x, group)`` over this
-        device's elements of each group, shard results joined by ``combine`` (the values
-        are >= 0, so 0 stands for the other groups' elements and for empty groups)."""
+        device's counted elements of each group, shard results joined by ``combine`` (the
+        values are >= 0, so 0 stands for the other groups' elements and for empty groups)."""
         totals = [0] * num_groups
-        for buckets, bucket_groups in zip(grad_shards, groups):
-            for x, group in zip(buckets, bucket_groups):
+        for buckets, bucket_groups, kept in zip(grad_shards, groups, counted):
+            for x, group, c in zip(buckets, bucket_groups, kept):
                 v = value(x, group)
+                v = v if c is True else jnp.where(c, v, 0)
                 if isinstance(group, jax.Array):
                     for g in range(num_groups):
                         totals[g] = combine(totals[g], reduce(jnp.where(group == g, v, 0)))
@@ -208,22 +220,50 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
 
     zeros = 0
     for buffer, buckets, rank in zip(plan.buffers, grad_shards, ranks):
-        for x in buckets:
+        for x in buckets:  # an element not counted here was set to 1 above
             zeros = zeros + jnp.sum(x == 0, dtype=jnp.int32)
         padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
         zeros = zeros - shards.rank_row(padding, rank)[0]
     sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
-    sums, zeros = lax.psum((sums, jnp.asarray(zeros, jnp.int32)), plan.axes.group)
+    sums, zeros = lax.psum((sums, jnp.asarray(zeros, jnp.int32)), plan.axes.statistics)
 
     def scaled_norms():
-        peaks = lax.pmax(per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum), plan.axes.group)
+        peaks = per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum)
+        peaks = lax.pmax(peaks, plan.axes.statistics)
         scale = jnp.where(peaks > 0, peaks, 1)
         scaled = per_group(lambda x, group: jnp.square(x / scale[group]), jnp.sum, jnp.add)
-        return scale * jnp.sqrt(lax.psum(scaled, plan.axes.group))
+        return scale * jnp.sqrt(lax.psum(scaled, plan.axes.statistics))
 
     norms = lax.cond(jnp.any(jnp.isinf(sums)), scaled_norms, lambda: jnp.sqrt(sums))
     finite = jnp.all(jnp.isfinite(norms))
     return GradStats(norms, _clip_coefficients(norms, plan.config.clip_grad), zeros, finite, groups)
+
+
+def _counted(plan: StepPlan, ranks) -> list[list]:
+    """Per buffer and bucket, which of this device's shard elements the statistics count:
+    ``True`` (all), or a mask that drops, on every tensor-parallel device but the first, the
+    leaves that every such device holds whole (each is counted once, as Megatron does)."""
+    return [
+        [counted_elements(plan, i, k, rank) for k in range(buffer.num_buckets)]
+        for i, (buffer, rank) in enumerate(zip(plan.buffers, ranks))
+    ]
+
+
+def counted_elements(plan: StepPlan, i: int, k: int, rank):
+    """Which elements of this device's shard of bucket ``k`` of buffer ``i`` statistics count
+    (:func:`_counted`): ``True`` for all, else a boolean scalar or vector."""
+    replicated = replicated_leaves(plan)
+    if not any(replicated):
+        return True
+    mask = shards.per_element(plan.buffers[i], k, rank, replicated, np.bool_)
+    if mask is False:
+        return True
+    return (lax.axis_index(plan.axes.tp) == 0) | jnp.logical_not(mask)
+
+
+def replicated_leaves(plan: StepPlan) -> tuple[bool, ...]:
+    """Per leaf, whether every tensor-parallel device holds it whole (always false without one)."""
+    return tuple(plan.axes.tp_size > 1 and r.tensor_dim is None for r in plan.routes)
 
 
 def with_schedules_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -> GradStats:
@@ -367,9 +407,19 @@ def muon_directions(plan: StepPlan, i: int, k: int, momentum, grad, rank, finite
                 config=plan.muon,
                 qkv_split_shapes=group.qkv_split_shapes,
                 skip=skip,
+                tensor=tensor_split(plan, group),
             )
         )
     return out
+
+
+def tensor_split(plan: StepPlan, group) -> muon_lib.TensorSplit | None:
+    """How a slot group's matrices, as :func:`~lwjax.shards.take` reads them, are split over
+    the tensor-parallel axis; ``None`` when they are whole on each device."""
+    if group.tensor_split is None:
+        return None
+    axis = 1 - group.tensor_split if plan.transpose else group.tensor_split
+    return muon_lib.TensorSplit(plan.axes.tp, plan.axes.tp_size, axis - 2)
 
 
 def apply_muon(
@@ -397,13 +447,17 @@ def apply_muon(
             weight_decay=wd * group.wd_mult,
             config=plan.muon,
             qkv_split_shapes=group.qkv_split_shapes,
+            tensor=tensor_split(plan, group),
         )
         new_p = jnp.where(finite, new_p, old_p)
         if not momentum_final:
             new_m = jnp.where(
                 finite, new_m, shards.take(momentum, offsets, group.shape, plan.transpose)
             )
-        delta_sq += jnp.sum(jnp.square(new_p - old_p))
+        change = jnp.sum(jnp.square(new_p - old_p))
+        if group.tensor_replicated:  # the same matrices on every tensor-parallel device
+            change = jnp.where(lax.axis_index(plan.axes.tp) == 0, change, 0)
+        delta_sq += change
         if plan.transpose:
             new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
         master, momentum = shards.put(master, offsets, new_p), shards.put(momentum, offsets, new_m)
@@ -433,10 +487,12 @@ def update_elementwise(
     direction, new_tx_state = plan.elementwise.update(grad, tx_state, master)
     step = lr * lr_mult if not (isinstance(lr_mult, (int, float)) and lr_mult == 1) else lr
     new_master = keep(master - step * (direction + decay * master), master)
+    change = jnp.square(new_master - master)
+    counted = counted_elements(plan, i, k, rank)
     return (
         new_master,
         jax.tree.map(keep, new_tx_state, tx_state),
-        jnp.sum(jnp.square(new_master - master)),
+        jnp.sum(change if counted is True else jnp.where(counted, change, 0)),
     )
 
 
@@ -455,7 +511,7 @@ def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats)
         tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
     )
     real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
-    update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.group) / real_numel)
+    update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.statistics) / real_numel)
     new_params = unpack(
         plan, [tuple(g) for g in gathered], dtypes=[x.dtype for x in jax.tree.leaves(params)]
     )

@@ -63,6 +63,9 @@ def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable
       batch's leading axis is split over the data axes.
     """
     axes = optimizer.data_axes
+    # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
+    # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
+    manual = {} if optimizer.tensor_axis is None else {"axis_names": set(_names(axes))}
 
     def local(params, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -75,9 +78,14 @@ def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable
             in_specs=(P(), P(axes)),
             out_specs=(P(), P(axes)),
             check_vma=False,
+            **manual,
         )(params, batch)
 
     return per_device
+
+
+def _names(axes: str | tuple[str, ...]) -> tuple[str, ...]:
+    return axes if isinstance(axes, tuple) else (axes,)
 
 
 def make_train_step(
@@ -143,9 +151,12 @@ def make_train_step(
       separate norm group), and ``aux`` with ``has_aux``.
 
     Raises:
-      ValueError: ``accumulate`` is not a positive integer; (at call time) a
-        batch leaf whose leading axis is empty or does not divide by the
-        number of data-parallel devices times ``accumulate``.
+      ValueError: ``accumulate`` is not a positive integer; an optimizer with
+        a ``tensor_axis`` (``loss_fn`` runs per device here, and a
+        tensor-parallel model's collectives belong to XLA: use
+        :func:`value_and_grad` and ``optimizer.update`` under ``jax.jit``);
+        (at call time) a batch leaf whose leading axis is empty or does not
+        divide by the number of data-parallel devices times ``accumulate``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -165,6 +176,13 @@ def make_train_step(
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(
             f"make_train_step: accumulate must be a positive integer; got {accumulate!r}."
+        )
+    if optimizer.tensor_axis is not None:
+        raise ValueError(
+            f"make_train_step: the optimizer has tensor_axis={optimizer.tensor_axis!r}; a "
+            "tensor-parallel loss is partitioned by XLA, not per device. Step with "
+            "lwjax.value_and_grad(loss_fn, optimizer) and optimizer.update under jax.jit "
+            "(docs/scaling.md)."
         )
     mesh, axes = optimizer.mesh, optimizer.data_axes
     num_data = optimizer.num_data

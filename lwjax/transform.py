@@ -63,7 +63,8 @@ def optax_functions(
     """
     # Inside shard_map the step sees flat leaf lists, whatever pytree classes carry them outside.
     flat = dataclasses.replace(plan, treedef=jax.tree_util.tree_structure(list(plan.routes)))
-    data = P(plan.axes.data)
+    # Unreduced gradients: a leading per-device axis over the data axes, then the leaf's split.
+    unreduced_specs = [P(plan.axes.data, *spec) for spec in leaf_specs]
     local_init = jax.jit(
         jax.shard_map(
             functools.partial(step_lib.init, flat),
@@ -88,7 +89,7 @@ def optax_functions(
         False: jax.shard_map(
             unreduced,
             mesh=mesh,
-            in_specs=([data] * len(plan.routes), state_specs, leaf_specs),
+            in_specs=(unreduced_specs, state_specs, leaf_specs),
             out_specs=(leaf_specs, state_specs, P()),
             check_vma=False,
         ),

@@ -36,8 +36,20 @@ class Reference:
     (logical) shapes."""
 
     def __init__(
-        self, params, routes, *, lr, weight_decay, clip_grad, muon_config, adam=(0.9, 0.999, 1e-8)
+        self,
+        params,
+        routes,
+        *,
+        lr,
+        weight_decay,
+        clip_grad,
+        muon_config,
+        adam=(0.9, 0.999, 1e-8),
+        in_out=False,
     ):
+        """``in_out``: Muon matrices are stored ``[in, out]`` and read transposed (rows are
+        outputs for the scale and the QKV split), as ``matrix_convention="in_out"`` does."""
+        self.in_out = in_out
         leaves, self.treedef = jax.tree_util.tree_flatten(params)
         self.leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
         self.routes, self.lr, self.weight_decay, self.clip_grad, self.muon = (
@@ -71,18 +83,20 @@ class Reference:
                 coef = jnp.minimum(1.0, self.clip_grad / (norms[name] + 1e-6))
                 for i in idx:
                     g[i] = g[i] * coef
+        flip = (lambda x: jnp.swapaxes(x, -1, -2)) if self.in_out else (lambda x: x)  # noqa: E731
         for i in self.muon_idx:
             r = self.routes[i]
             leaf, momentum = muon_lib.muon_update(
-                _to_view(self.leaves[i], r),
-                _to_view(g[i], r),
-                _to_view(self.momenta[i], r),
+                flip(_to_view(self.leaves[i], r)),
+                flip(_to_view(g[i], r)),
+                flip(_to_view(self.momenta[i], r)),
                 learning_rate=self.lr * r.lr_mult,
                 weight_decay=self.weight_decay * r.wd_mult,
                 config=self.muon,
                 qkv_split_shapes=r.qkv_split_shapes,
             )
-            self.leaves[i], self.momenta[i] = _from_view(leaf, r), _from_view(momentum, r)
+            self.leaves[i] = _from_view(flip(leaf), r)
+            self.momenta[i] = _from_view(flip(momentum), r)
         updates, self.adam_state = self.adam.update([g[i] for i in self.adam_idx], self.adam_state)
         for i, u in zip(self.adam_idx, updates):
             r = self.routes[i]

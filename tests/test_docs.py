@@ -34,6 +34,7 @@ PAGES = (
     "optax",
     "own-step",
     "megatron",
+    "scaling",
 )
 PAGES_WITHOUT_PYTHON = ("index", "architecture", "benchmarks")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

@@ -24,7 +24,7 @@ from lwjax.megatron.state import read_megatron
 from lwjax.megatron.unpickler import loads
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/latest_checkpointed_iteration.txt"))
 DCP_DIRS = sorted(d for d in FIXTURES.glob("*/iter_*") if (d / ".metadata").exists())
 LEGACY_FILES = sorted(FIXTURES.glob("legacy_*/iter_0000002/mp_rank_00/*.pt"))
 
@@ -94,7 +94,7 @@ sys.modules["torch"] = sys.modules["jax"] = None  # any import of torch or jax n
 from lwjax.megatron import read_megatron
 import pathlib
 for d in sorted(pathlib.Path(sys.argv[1]).iterdir()):
-    if d.is_dir():
+    if (d / "latest_checkpointed_iteration.txt").exists():
         state = read_megatron(d)
         assert state.model and state.masters, d
 print("read", "torch" in sys.modules and sys.modules["torch"] is None)

@@ -226,7 +226,9 @@ def test_bad_expert_setup_gets_clear_errors():
     dense_mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     with pytest.raises(ValueError, match="no expert-parallel axis 'ep'"):
         layerwise_muon(params, dense_mesh, expert_axis="ep", routing=RoutingRules(**ROUTING))
-    with pytest.raises(ValueError, match="axis, expert_axis and replica_axis must differ"):
+    with pytest.raises(
+        ValueError, match="axis, expert_axis, replica_axis and tensor_axis must differ"
+    ):
         layerwise_muon(params, mesh_of(2, 4), expert_axis="dp", routing=RoutingRules(**ROUTING))
     with pytest.raises(
         ValueError,

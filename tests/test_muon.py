@@ -190,6 +190,7 @@ def test_muon_config_defaults_match_megatron():
         extra_scale_factor=1.0,
         fp32_matmul_prec="medium",
         split_qkv=True,
+        tp_mode="duplicated",  # Megatron-LM main's default; megatron-core 0.19.2's is blockwise
     )
     assert PRECISIONS == ("highest", "high", "medium")
     assert SCALE_MODES == ("spectral", "unit_rms_norm", "shape_scaling")

@@ -155,9 +155,11 @@ class MegatronImport:
         if self.muon and tp > 1 and options["muon_tp_mode"] == "blockwise":
             warnings.warn(
                 f"muon_tp_mode='blockwise' at tensor_model_parallel_size={tp}: Megatron "
-                "orthogonalised each tensor-parallel shard of a matrix separately; lwjax "
-                "orthogonalises whole matrices (Megatron's 'duplicated' mode), so the "
-                "continued run follows a different update rule.",
+                "orthogonalised each tensor-parallel block of a matrix separately. The "
+                "converted parameters are whole matrices: without tensor parallelism (or at "
+                "another size) each is one block, so the continued run follows a different "
+                "update rule. Pass muon=MuonConfig(tp_mode='duplicated') for the whole "
+                "matrix's update (Megatron-LM main's default).",
                 stacklevel=2,
             )
         clip = options["clip_grad"]
@@ -173,6 +175,7 @@ class MegatronImport:
                 extra_scale_factor=options["muon_extra_scale_factor"],
                 fp32_matmul_prec=options["muon_fp32_matmul_prec"],
                 split_qkv=options["muon_split_qkv"],
+                tp_mode=options["muon_tp_mode"],
             ),
             "elementwise": optax.scale_by_adam(
                 b1=options["adam_beta1"], b2=options["adam_beta2"], eps=options["adam_eps"]
