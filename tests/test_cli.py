@@ -369,6 +369,43 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     )
 
 
+def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the_model(capsys):
+    """--tp 2 at dp 2 (4 devices): the record says tp and tp mode and that the floor and the
+    optax baseline were not measured; a device holds the state of dp 2 alone with every split
+    leaf's share halved (vocabulary, column- and row-parallel matrices split, norms whole)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from lwjax.tools import bench
+
+    argv = ["bench", "--workload", "small", "--layers", "1", "--dp", "2", "--tp", "2"]
+    code = main([*argv, "--iters", "1", "--warmup", "1", "--json"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    (record,) = json.loads(out)  # no optax baseline at tp > 1
+    assert (record["contender"], record["dp"], record["tp"]) == ("lwjax", 2, 2)
+    assert record["tp_mode"] == "duplicated" and record["step_ms"] > 0
+    assert "rs_ms" not in record and "tensor-parallel" in record["floor_skipped"]
+    assert "no tensor parallelism" in record["baseline_skipped"]
+    assert record["grad_norm"] == pytest.approx(1e-2 * (record["params"] / 2) ** 0.5, rel=0.02)
+
+    config = bench.workload_config("small", 1)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+    tp1_bytes = bench._bench_lwjax(bench.BenchConfig(iters=1, warmup=1), config, mesh)[2]
+    # fp32 master and momentum per Muon element (the stacked matrices), master and two Adam
+    # moments per other element; a split leaf's share halves.
+    shapes = config.param_shapes()
+    specs = bench.keys_from_tree(bench.gpt_tensor_specs(config))
+    per_element = {k: (8 if len(s) == 3 else 12) * int(np.prod(s)) for k, s in shapes.items()}
+    split = sum(v for k, v in per_element.items() if len(specs[k]))
+    assert 0 < split < sum(per_element.values())  # the norms stay whole
+    want = 1 - split / 2 / sum(per_element.values())
+    assert record["state_bytes_per_device"] / tp1_bytes == pytest.approx(want, rel=0.01)
+    assert main([*argv, "--train-step"]) == 2
+    assert "--tp and --tp-mode apply to the optimizer step only" in capsys.readouterr().err
+
+
 def test_bench_builds_the_pipelined_optimizer_it_reports():
     import jax
     import numpy as np

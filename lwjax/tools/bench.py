@@ -10,6 +10,13 @@ synchronised. Both contenders run in the same process on the same devices:
 * ``lwjax``: reduce-scatter, norm/clip, Muon/Adam on owned blocks, all-gather;
 * ``optax``: ``pmean`` of the gradients (all-reduce) and ``optax.contrib.muon``
   with the same routing on every device (the JAX status quo).
+
+With tensor parallelism (``BenchConfig.tp > 1``) the devices form a ``dp x tp``
+mesh and the parameters are split over ``tp`` as Megatron-Core splits them
+(:func:`gpt_tensor_specs`); lwjax runs with ``tensor_axis="tp"``, Megatron-Core
+with ``tensor_model_parallel_size=tp``, both in ``BenchConfig.tp_mode``. The
+no-overlap floor and the replicated optax baseline are not measured there
+(the record says so).
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 from lwjax import gram
 from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
 from lwjax.layout import LayoutConfig
-from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, tree_from_keys
-from lwjax.muon import MuonConfig
+from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
+from lwjax.muon import TP_MODES, MuonConfig
 from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
 from lwjax.train import jit_shard_map
 
@@ -94,6 +101,11 @@ class BenchConfig:
         (1.0), so clipping binds on every step; 2e-5 keeps it below for the 8b
         and 1b workloads at dp ≥ 2, as in most steps of a pretraining run.
       pipeline_muon: lwjax's ``OptimizerConfig.pipeline_muon``.
+      tp: Tensor-parallel size: each dp size runs on ``dp * tp`` devices, the
+        parameters split over ``tp`` by :func:`gpt_tensor_specs`. At ``tp > 1``
+        the floor and the optax baseline are skipped (named in the record).
+      tp_mode: How a split Muon matrix is orthogonalised
+        (``MuonConfig.tp_mode``, Megatron's ``--muon-tp-mode``; passed to both).
     """
 
     workload: str = "small"
@@ -112,6 +124,8 @@ class BenchConfig:
     pgle: bool = False
     grad_std: float = 1e-2
     pipeline_muon: bool = False
+    tp: int = 1
+    tp_mode: str = "duplicated"
 
     def __post_init__(self):
         if not self.grad_std > 0:
@@ -124,6 +138,12 @@ class BenchConfig:
             raise ValueError(
                 f"BenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}."
             )
+        if not (isinstance(self.tp, int) and self.tp >= 1):
+            raise ValueError(f"BenchConfig.tp must be a positive integer; got {self.tp!r}.")
+        if self.tp_mode not in TP_MODES:
+            raise ValueError(
+                f"BenchConfig.tp_mode must be one of {TP_MODES}; got {self.tp_mode!r}."
+            )
 
 
 def workload_config(name: str, layers: int | None = None) -> GPTConfig:
@@ -135,6 +155,46 @@ def workload_config(name: str, layers: int | None = None) -> GPTConfig:
 def workload_shapes(config: GPTConfig) -> dict:
     """The GPT's parameter tree with shape tuples as leaves (Megatron's keys, layers stacked)."""
     return tree_from_keys(config.param_shapes())
+
+
+def gpt_tensor_specs(config: GPTConfig, axis: str = "tp") -> dict:
+    """Megatron-Core's tensor-parallel split of the GPT's parameters: a ``PartitionSpec`` tree.
+
+    The tree of :func:`workload_shapes` (layers stacked on axis 0, ``[out, in]``):
+    the column-parallel ``linear_qkv`` and ``linear_fc1`` split on their output
+    rows (axis 1 of ``[L, out, in]``), the row-parallel ``linear_proj`` and
+    ``linear_fc2`` on their input columns (axis 2), the vocabulary-parallel word
+    embedding and output layer on the vocabulary (axis 0); the norms whole
+    (``P()``). Each device holds a contiguous block: Megatron's SwiGLU
+    ``linear_fc1`` interleaves gate and up rows per rank instead (stride 2), a
+    row permutation of the same block shapes, which the optimizer's cost and
+    Newton–Schulz do not see.
+    """
+    rows, columns, vocabulary = P(None, axis), P(None, None, axis), P(axis)
+    split = {
+        "embedding.word_embeddings.weight": vocabulary,
+        "decoder.layers.self_attention.linear_qkv.weight": rows,
+        "decoder.layers.self_attention.linear_proj.weight": columns,
+        "decoder.layers.mlp.linear_fc1.weight": rows,
+        "decoder.layers.mlp.linear_fc2.weight": columns,
+        "output_layer.weight": vocabulary,
+    }
+    return tree_from_keys({key: split.get(key, P()) for key in config.param_shapes()})
+
+
+def _check_tensor_split(config: GPTConfig, tp: int) -> None:
+    """Raise if a split axis of the GPT does not divide by ``tp`` (or splits a query group)."""
+    if config.num_query_groups % tp:
+        raise ValueError(
+            f"BenchConfig.tp: tp={tp} does not divide the {config.num_query_groups} query groups."
+        )
+    specs = keys_from_tree(gpt_tensor_specs(config))
+    for key, shape in config.param_shapes().items():
+        for dim, entry in enumerate(specs[key]):
+            if entry is not None and shape[dim] % tp:
+                raise ValueError(
+                    f"BenchConfig.tp: tp={tp} does not divide axis {dim} of {key} {shape}."
+                )
 
 
 def time_steps(fn, args, iters: int, warmup: int):
@@ -209,17 +269,22 @@ def workload_optimizer(
     weight_decay: float = 0.01,
     clip_grad: float | None = 1.0,
     pipeline_muon: bool = False,
+    tensor_axis: str | None = None,
+    tp_mode: str = "duplicated",
 ) -> LayerwiseOptimizer:
     """lwjax's optimizer for a workload: layers stacked, Megatron's ``[out, in]``, QKV split.
 
     With ``muon=False`` every leaf goes to the elementwise Adam (ZeRO-1 AdamW:
-    the same reduce-scatter, clip and all-gather, no Newton–Schulz).
+    the same reduce-scatter, clip and all-gather, no Newton–Schulz). With
+    ``tensor_axis``, leaves whose shardings name it are split over it
+    (:func:`gpt_tensor_specs`) and orthogonalised as ``tp_mode`` says.
     """
     return layerwise_muon(
         params,
         mesh,
+        tensor_axis=tensor_axis,
         learning_rate=learning_rate,
-        muon=MuonConfig(fp32_matmul_prec=ns_precision),
+        muon=MuonConfig(fp32_matmul_prec=ns_precision, tp_mode=tp_mode),
         config=OptimizerConfig(
             weight_decay=weight_decay,
             clip_grad=clip_grad,
@@ -232,41 +297,70 @@ def workload_optimizer(
     )
 
 
-def _local_grads(shapes, mesh, dtype, std):
+def _leaf_specs(shapes, specs):
+    """``specs`` flattened as ``shapes`` is (``None``: every leaf ``P()``)."""
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    if specs is None:
+        return [P()] * len(jax.tree.leaves(shapes, is_leaf=is_shape))
+    return jax.tree.leaves(
+        jax.tree.map(lambda _, spec: spec, shapes, specs, is_leaf=is_shape),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def _local_grads(shapes, mesh, dtype, std, specs=None):
     """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over dp.
 
-    Every device's gradients differ.
+    Every data-parallel device's gradients differ. With ``specs``
+    (:func:`gpt_tensor_specs`) each leaf is also split as its spec says
+    (``P("dp", *spec)``); a leaf it leaves whole has the same gradient on every
+    tensor-parallel device, as backward gives it.
     """
     dp = mesh.shape["dp"]
-    sharding = NamedSharding(mesh, P("dp"))
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    make = jax.jit(
-        lambda key, shape: (std * jax.random.normal(key, (dp, *shape), jnp.float32)).astype(dtype),
-        static_argnums=1,
-        out_shardings=sharding,
-    )
+
+    def make(key, shape, spec):
+        return jax.jit(
+            lambda key: (std * jax.random.normal(key, (dp, *shape), jnp.float32)).astype(dtype),
+            out_shardings=NamedSharding(mesh, P("dp", *spec)),
+        )(key)
+
     keys = jax.random.split(jax.random.key(0), len(leaves))
-    return jax.tree_util.tree_unflatten(treedef, [make(k, s) for k, s in zip(keys, leaves)])
-
-
-def _params(shapes, mesh, dtype):
-    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    make = jax.jit(
-        lambda shape: jnp.full(shape, 0.01, dtype),
-        static_argnums=0,
-        out_shardings=NamedSharding(mesh, P()),
+    return jax.tree_util.tree_unflatten(
+        treedef, [make(k, s, sp) for k, s, sp in zip(keys, leaves, _leaf_specs(shapes, specs))]
     )
-    return jax.tree_util.tree_unflatten(treedef, [make(s) for s in leaves])
+
+
+def _params(shapes, mesh, dtype, specs=None):
+    """Every parameter ``0.01``, created on ``mesh`` split as ``specs`` says (``None``: whole)."""
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    made = [
+        jax.jit(
+            lambda shape: jnp.full(shape, 0.01, dtype),
+            static_argnums=0,
+            out_shardings=NamedSharding(mesh, spec),
+        )(s)
+        for s, spec in zip(leaves, _leaf_specs(shapes, specs))
+    ]
+    return jax.tree_util.tree_unflatten(treedef, made)
 
 
 def optimizer_step(opt: LayerwiseOptimizer):
     """``step(params, state, grads) -> (params, state)``: the timed step, ``params`` and ``state``
-    donated; ``grads`` are per-device gradients ``[dp, ...]`` split over dp."""
+    donated; ``grads`` are per-device gradients ``[dp, ...]`` split over dp (and, for leaves
+    split over tensor parallelism, as ``opt.param_specs`` says: ``P("dp", *spec)``)."""
+    param_specs = opt.param_specs
+    if isinstance(param_specs, P):  # a prefix: nothing split
+        grad_specs = P("dp", *param_specs)
+    else:
+        grad_specs = jax.tree.map(
+            lambda spec: P("dp", *spec), param_specs, is_leaf=lambda x: isinstance(x, P)
+        )
     return jit_shard_map(
         lambda p, s, g: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
         opt.mesh,
-        (P(), opt.state_specs, P("dp")),
-        (P(), opt.state_specs),
+        (param_specs, opt.state_specs, grad_specs),
+        (param_specs, opt.state_specs),
         donate_argnums=(0, 1),
     )
 
@@ -274,7 +368,9 @@ def optimizer_step(opt: LayerwiseOptimizer):
 def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
     shapes = workload_shapes(config)
-    params = _params(shapes, mesh, dtype)
+    tensor_parallel = "tp" in mesh.axis_names
+    specs = gpt_tensor_specs(config) if tensor_parallel else None
+    params = _params(shapes, mesh, dtype, specs)
     opt = workload_optimizer(
         params,
         mesh,
@@ -284,9 +380,11 @@ def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
         policy=cfg.policy,
         bucket_size=cfg.bucket_size,
         pipeline_muon=cfg.pipeline_muon,
+        tensor_axis="tp" if tensor_parallel else None,
+        tp_mode=cfg.tp_mode,
     )
     state = opt.init(params)
-    grads = _local_grads(shapes, mesh, dtype, cfg.grad_std)
+    grads = _local_grads(shapes, mesh, dtype, cfg.grad_std, specs)
     grad_norm = float(
         jax.jit(
             lambda g: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g))
@@ -306,7 +404,8 @@ def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
         back_to_back, (params, state) = time_back_to_back(call, (params, state), cfg.iters)
         profile = {}
         if cfg.profile_dir:
-            profile = profile_steps(call, (params, state), 3, f"{cfg.profile_dir}/dp{dp}")
+            name = f"dp{dp}_tp{mesh.shape['tp']}" if tensor_parallel else f"dp{dp}"
+            profile = profile_steps(call, (params, state), 3, f"{cfg.profile_dir}/{name}")
     state_bytes = max(
         sum(
             s.data.nbytes
@@ -540,8 +639,25 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     )
 
 
+TP_FLOOR_SKIPPED = (
+    "not measured at tp > 1: the floor times only the data-parallel reduce-scatter and "
+    "all-gather and a rank's Newton-Schulz FLOPs, not the tensor-parallel gathers or Gram "
+    "all-reduces of the tp mode, so it would not be a floor of this step"
+)
+TP_BASELINE_SKIPPED = (
+    "optax.contrib.muon (replicated) not run at tp > 1: it has no tensor parallelism "
+    "(every device would hold whole matrices), so it is no baseline for a split step"
+)
+
+
 def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
-    """Run Megatron-Core's layer-wise Muon on ``dp`` GPUs (torchrun) and read its JSON line."""
+    """Run Megatron-Core's layer-wise Muon on ``dp * cfg.tp`` GPUs (torchrun) and read its
+    JSON line.
+
+    At ``cfg.tp > 1`` the script (``docs/scripts/megatron_bench.py``; the copy
+    in ``shared/perf`` has no tensor parallelism) gets ``--tp`` and
+    ``--muon-tp-mode``; at tp 1 neither, so either script runs it.
+    """
     import json
     import os
     import subprocess
@@ -557,7 +673,7 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nproc-per-node={dp}",
+        f"--nproc-per-node={dp * cfg.tp}",
         cfg.megatron_script,
         "--preset",
         cfg.workload,
@@ -574,12 +690,19 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
     ]
     if not cfg.grad_reduce_in_fp32:
         cmd.append("--no-grad-reduce-in-fp32")
+    if cfg.tp > 1:
+        cmd += ["--tp", str(cfg.tp), "--muon-tp-mode", cfg.tp_mode]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
         raise RuntimeError(f"megatron bench failed (rc {done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(lines[-1])
+    if cfg.tp > 1 and result.get("tp_size") != cfg.tp:
+        raise RuntimeError(
+            f"megatron bench: asked for tp={cfg.tp}, the script ran tp={result.get('tp_size')} "
+            "(use docs/scripts/megatron_bench.py, which has --tp)."
+        )
     timing = result["timing"]
     return dict(
         step_ms=timing["total_ms"]["median"],
@@ -599,32 +722,50 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
       steps), ``back_to_back_ms`` (per step, back to back: :func:`time_back_to_back`; JAX
       contenders only), ``state_bytes_per_device`` (optimizer state plus fp32
       masters held by one device), and the settings (``warmup``: the untimed
-      calls the contender made first). Megatron's ``step_ms`` is
+      calls the contender made first; ``tp`` and ``tp_mode``). Megatron's ``step_ms`` is
       its CUDA-event time of the reduce-scatter plus ``optimizer.step()``.
+      At ``tp > 1`` lwjax's record has ``floor_skipped`` (and, with
+      ``baselines``, ``baseline_skipped``) instead of the floor and the optax
+      record.
     """
     config = workload_config(cfg.workload, cfg.layers)
     devices = jax.devices()
     numel = sum(int(np.prod(s)) for s in config.param_shapes().values())
+    tp = cfg.tp
+    if tp > 1:
+        _check_tensor_split(config, tp)
+    for dp in cfg.dp_sizes:
+        if dp * tp > len(devices):
+            what = f"dp={dp}" if tp == 1 else f"dp={dp} x tp={tp}"
+            raise ValueError(
+                f"BenchConfig.dp_sizes: {what} exceeds the {len(devices)} available devices."
+            )
     records = []
     megatron = {dp: _bench_megatron(cfg, dp) for dp in cfg.dp_sizes} if cfg.megatron_script else {}
     for dp in cfg.dp_sizes:
-        if dp > len(devices):
-            raise ValueError(
-                f"BenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices."
-            )
-        mesh = Mesh(np.array(devices[:dp]), ("dp",))
+        if tp == 1:
+            mesh = Mesh(np.array(devices[:dp]), ("dp",))
+        else:
+            mesh = Mesh(np.array(devices[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
         base = dict(
             workload=cfg.workload,
             layers=config.num_layers,
             params=numel,
             dp=dp,
+            tp=tp,
+            tp_mode=cfg.tp_mode,
             device=devices[0].device_kind,
             jax=jax.__version__,
             iters=cfg.iters,
             warmup=cfg.warmup,
         )
         seconds, back_to_back, nbytes, opt, profile, grad_norm = _bench_lwjax(cfg, config, mesh)
-        floor = _floor(cfg, opt, mesh)
+        if tp == 1:
+            floor = _floor(cfg, opt, mesh)
+        else:
+            floor = dict(floor_skipped=TP_FLOOR_SKIPPED)
+            if cfg.baselines:
+                floor["baseline_skipped"] = TP_BASELINE_SKIPPED
         bucket_size = LayoutConfig(bucket_size=cfg.bucket_size).bucket_size_for(dp)
         records.append(
             dict(
@@ -649,7 +790,7 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
             records.append(
                 dict(base, contender="Megatron-Core LayerWiseDistributedOptimizer", **megatron[dp])
             )
-        if cfg.baselines:
+        if cfg.baselines and tp == 1:
             seconds, back_to_back, nbytes = _bench_optax(cfg, config, mesh)
             records.append(
                 dict(

@@ -139,7 +139,13 @@ def print_bench(records: Sequence[dict]) -> None:
     title = (
         f"Optimizer step, {first['workload']} workload ({first['layers']} layers, "
         f"{count(first['params'])} params) on {first['device']}, jax {first['jax']}; "
-        "gradient norm (clip 1.0) " + norms
+        + (
+            f"tp {first['tp']} ({first['tp_mode']}; dp × tp devices); "
+            if first.get("tp", 1) > 1
+            else ""
+        )
+        + "gradient norm (clip 1.0) "
+        + norms
     )
     columns = ["contender", "dp", "step ms", "back to back", "vs lwjax", "state bytes / device"]
     rows = table(title, columns)

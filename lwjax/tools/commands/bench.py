@@ -16,6 +16,9 @@ import pathlib
 from lwjax.layout import DEFAULT_POLICY, POLICIES
 from lwjax.tools.render import print_bench, print_json, print_train_bench, require_rich
 
+# lwjax.muon.TP_MODES (that module imports jax; this command is parsed without it)
+TP_MODES = ("duplicated", "distributed", "blockwise")
+
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     """Time lwjax's optimizer step (or, with --train-step, a training step) and its baselines."""
@@ -25,13 +28,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 "--megatron, --profile and --grad-std apply to the optimizer step only; drop "
                 "them with --train-step."
             )
+        if (args.tp, args.tp_mode) != (1, None):
+            raise ValueError("--tp and --tp-mode apply to the optimizer step only.")
     elif (args.seq_len, args.micro_batch, args.remat) != (None, None, False):
         raise ValueError("--seq-len, --micro-batch and --remat apply to --train-step only.")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be a positive integer; got {args.tp}.")
     if not args.json:
         require_rich()  # before the benchmark runs, not after
     from lwjax.tools.demo.devices import request_cpu_devices
 
-    request_cpu_devices(max(args.dp))
+    request_cpu_devices(max(args.dp) * args.tp)
     if args.train_step:
         return _bench_train_step(args)
     from lwjax.tools.bench import BenchConfig, run_bench
@@ -53,6 +60,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         pgle=args.pgle,
         grad_std=BenchConfig.grad_std if args.grad_std is None else args.grad_std,
         pipeline_muon=args.pipeline_muon,
+        tp=args.tp,
+        tp_mode=BenchConfig.tp_mode if args.tp_mode is None else args.tp_mode,
     )
     records = run_bench(config)
     if not _emit_records(args, records):
@@ -140,6 +149,22 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument(
         "--dp", type=_dp_list, default=[1, 2, 4, 8], help="data-parallel sizes, e.g. 1,2,4,8"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: each dp size runs on dp*tp devices, the parameters split as "
+        "Megatron-Core splits them (optimizer step only; no floor or optax baseline at tp > 1)",
+    )
+    p.add_argument(
+        "--tp-mode",
+        "--muon-tp-mode",
+        dest="tp_mode",
+        choices=TP_MODES,
+        default=None,
+        help="how a matrix split over tp is orthogonalised (MuonConfig.tp_mode, Megatron's "
+        "--muon-tp-mode, passed to both; default duplicated)",
     )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument(
