@@ -300,7 +300,9 @@ def layerwise_muon(
     its own blocks over the data-parallel axes (the same layout on each) and
     keeps its own optimizer state. A Muon matrix split over the axis is
     orthogonalised as ``muon.tp_mode`` says (Megatron's ``--muon-tp-mode``);
-    a leaf held whole by every device counts once in the gradient norm.
+    a leaf held whole by every device counts once in the gradient norm. The
+    same option runs fully sharded (FSDP) parameters: name an axis that splits
+    the leaves and the batch (``docs/scaling.md``).
 
     Args:
       params: The (global) parameter pytree (arrays or ``jax.ShapeDtypeStruct``).

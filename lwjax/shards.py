@@ -181,8 +181,11 @@ def gather_bucket(
     """Every device's updated shard (in parameter dtype) on every device.
 
     ``param_sync="all_gather"``: one tiled ``all_gather``; ``"broadcast"``:
-    the reference path, bitwise equal (see :func:`_broadcast`).
+    the reference path, bitwise equal (see :func:`_broadcast`). A bucket of one
+    shard is the shard (nothing to gather: dp 1, e.g. fully sharded parameters).
     """
+    if num_shards == 1:
+        return shard
     if param_sync == "broadcast":
         return _broadcast(shard, axis_names, rank, num_shards)
     return lax.all_gather(shard, axis_names, tiled=True)
