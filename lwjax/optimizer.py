@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax import pipelined, transform
 from lwjax import step as step_lib
+from lwjax.groups import MAX_PADDING, choose_groups
 from lwjax.layout import LayoutConfig
 from lwjax.muon import MuonConfig
 from lwjax.plan import MeshAxes, ParamPlan, StepPlan, make_plan
@@ -622,7 +623,7 @@ def group_mesh(mesh: Mesh, shards: int, *, axis: str = "dp", replica_axis: str =
     Consecutive devices along ``axis`` share a group, so on a mesh laid out host by
     host the reduce-scatter and all-gather stay within a host or NVLink domain and
     only the all-reduce of each shard (``1 / shards`` of the bytes) crosses groups.
-    :func:`lwjax.groups.choose_groups` suggests ``shards``.
+    :func:`auto_groups` chooses ``shards`` (:func:`lwjax.groups.choose_groups`).
 
     Raises:
       ValueError: ``axis`` not in the mesh, ``replica_axis`` already in it, or
@@ -643,6 +644,42 @@ def group_mesh(mesh: Mesh, shards: int, *, axis: str = "dp", replica_axis: str =
     )
     names = mesh.axis_names[:i] + (replica_axis, axis) + mesh.axis_names[i + 1 :]
     return Mesh(devices, names)
+
+
+def auto_groups(
+    params,
+    mesh: Mesh,
+    *,
+    axis: str = "dp",
+    replica_axis: str = "replica",
+    layout: LayoutConfig = LayoutConfig(),
+    routing: RoutingRules = RoutingRules(),
+    matrix_convention: MatrixConvention = "in_out",
+    max_padding: float = MAX_PADDING,
+) -> tuple[Mesh, LayoutConfig]:
+    """The sharding groups :func:`lwjax.groups.choose_groups` picks for ``params`` over ``axis``:
+    ``(group_mesh(mesh, G), layout with the chosen policy)``, for :func:`layerwise_muon`.
+
+    Among the group sizes ``G`` dividing the axis and the layout policies, the
+    layouts padded by at most ``max_padding`` (a fraction; Megatron-scale dp
+    needs groups to stay there), the one whose busiest rank does the least
+    Newton–Schulz work. ``G`` equal to the axis size is one group (the mesh
+    then has a ``replica_axis`` of size 1).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> params = {f"w{i}": jnp.zeros((64, 64)) for i in range(4)}
+      >>> grouped, layout = auto_groups(params, Mesh(np.array(jax.devices()[:8]), ("dp",)))
+      >>> dict(grouped.shape)  # four matrices: more than 4 shards only pad
+      {'replica': 2, 'dp': 4}
+      >>> opt = layerwise_muon(params, grouped, replica_axis="replica", layout=layout)
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"auto_groups: mesh has axes {mesh.axis_names}; no axis {axis!r}.")
+    specs = param_specs(route_params(params, routing, matrix_convention=matrix_convention))
+    choice = choose_groups(specs, mesh.shape[axis], layout, max_padding=max_padding)
+    grouped = group_mesh(mesh, choice.shards, axis=axis, replica_axis=replica_axis)
+    return grouped, dataclasses.replace(layout, policy=choice.policy)
 
 
 def _param_spec(route: LeafRoute, expert_axis: str | None, tensor_axis: str | None) -> P:

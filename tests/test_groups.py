@@ -105,6 +105,33 @@ def test_group_mesh_splits_the_axis_into_groups_of_consecutive_devices():
         group_mesh(flat, 4, replica_axis="dp")
 
 
+def test_auto_groups_builds_the_chosen_groups_and_policy():
+    """``auto_groups`` gives the mesh and layout policy ``choose_groups`` chooses for the routed
+    parameters, and the optimizer built on them lays out over that group size."""
+    import pytest
+
+    from lwjax.groups import choose_groups
+    from lwjax.optimizer import auto_groups, route_params
+    from lwjax.routing import param_specs
+
+    rng = np.random.default_rng(0)
+    shapes = [(96, 64), (96, 64), (64, 64), (64, 64), (64, 64), (64, 64)]
+    params = {
+        f"w{i}": jnp.asarray(rng.standard_normal(s), jnp.float32) for i, s in enumerate(shapes)
+    }
+    params["b"] = jnp.zeros(64)
+    flat = Mesh(np.array(jax.devices()[:8]), ("dp",))
+    grouped, layout = auto_groups(params, flat)
+    want = choose_groups(param_specs(route_params(params)), 8)
+    assert want.shards < 8 and want.padding <= 0.05  # the question is not trivial here
+    assert dict(grouped.shape) == {"replica": 8 // want.shards, "dp": want.shards}
+    assert layout.policy == want.policy
+    opt = layerwise_muon(params, grouped, replica_axis="replica", layout=layout)
+    assert {b.dp for b in opt.plan.buffers} == {want.shards}
+    with pytest.raises(ValueError, match="auto_groups: mesh has axes"):
+        auto_groups(params, flat, axis="data")
+
+
 # --------------------------------------------------------------------------- layouts (pure Python)
 
 
