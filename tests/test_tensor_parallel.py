@@ -54,9 +54,13 @@ def _model(seed=0):
     return params, specs
 
 
-def _grads(params, seed):
+def _grads_like(params, seed):
     rng = np.random.default_rng(seed)
-    grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+    return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+
+
+def _grads(params, seed):
+    grads = _grads_like(params, seed)
     grads["layers/up_bias"][0, :5] = 0.0  # zeros, counted once
     grads["layers/norm"][1, :3] = 0.0  # zeros of a leaf every tensor-parallel device holds
     return grads
@@ -411,3 +415,52 @@ def test_fully_sharded_parameters_train_like_the_unsharded_optimizer():
     # An eighth of the unsharded optimizer's state, plus the 64-element alignment of every
     # parameter's block in the buckets (large here: a norm's block is 2 elements).
     assert held(sa) * 4 < held(sb)
+
+
+def test_expert_leaves_split_over_tensor_and_expert_axes_match_the_reference():
+    """dp 2 x ep 2 x tp 2: expert stacks split over ``ep`` (experts) and ``tp`` (a matrix
+    axis), a dense matrix over ``tp``, a norm whole; two steps against the reference."""
+    rng = np.random.default_rng(0)
+    params = {
+        "experts/up": (rng.standard_normal((4, D, FFN)) / 4).astype(np.float32),
+        "experts/down": (rng.standard_normal((4, FFN, D)) / 7).astype(np.float32),
+        "dense": (rng.standard_normal((D, 32)) / 4).astype(np.float32),
+        "norm": np.ones(D, np.float32),
+    }
+    specs = {
+        "experts/up": P("ep", None, "tp"),
+        "experts/down": P("ep", "tp"),
+        "dense": P(None, "tp"),
+        "norm": P(),
+    }
+    rules = RoutingRules(expert={"experts/*": True}, stacked={"experts/*": 1})
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "ep", "tp"))
+    muon = MuonConfig(fp32_matmul_prec="highest")
+    config = OptimizerConfig(clip_grad=5.0)
+    opt = lwjax.layerwise_muon(
+        _put(params, specs, mesh),
+        mesh,
+        expert_axis="ep",
+        tensor_axis="tp",
+        muon=muon,
+        config=config,
+        routing=rules,
+    )
+    ref = Reference(
+        params,
+        route_params(params, rules),
+        lr=0.02,
+        weight_decay=0.01,
+        clip_grad=5.0,
+        muon_config=muon,
+    )
+    state, current = opt.init(_put(params, specs, mesh)), _put(params, specs, mesh)
+    step = _metrics_step(opt)
+    for seed in (1, 2):
+        grads = _grads_like(params, seed)
+        norms, _ = ref.step(jax.tree.leaves(grads))
+        current, state, metrics = step(_put(grads, specs, mesh), state, current)
+        np.testing.assert_allclose(float(metrics["grad_norm"]), norms[None], rtol=1e-6)
+        assert float(metrics["clip_coef"]) < 1
+    for k, want in ref.params().items():
+        np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
