@@ -65,40 +65,62 @@ def _unpack_global(optimizer: LayerwiseOptimizer, buffers, dtypes):
     """:func:`~lwjax.buffers.unpack` of global state arrays into global (logical) leaves.
 
     With tensor parallelism a bucket's global array is one per tensor-parallel
-    device (``tp``-major): each unpacks into that device's blocks, joined on
-    the leaf's split axis (a leaf every device holds whole is taken from the first).
+    device (``tp``-major): each unpacks into that device's blocks, joined on the
+    leaf's split axes (a leaf whole over a mesh axis is taken from its first device).
     """
     plan = optimizer.plan
-    tp = plan.axes.tp_size
-    if tp == 1:
+    sizes = plan.axes.tp_sizes
+    if not sizes:
         return _unpack_group(optimizer, buffers, dtypes)
-    per_device = [None if x is None else tuple(b.reshape(tp, -1) for b in x) for x in buffers]
-    blocks = jax.vmap(lambda bufs: _unpack_group(optimizer, bufs, dtypes))(per_device)
-    leaves = [
-        None if y is None else y[0] if r.tensor_dim is None else _merge_blocks(y, r.tensor_dim)
-        for y, r in zip(_leaves(blocks), plan.routes)
-    ]
+    per_device = [None if x is None else tuple(b.reshape(*sizes, -1) for b in x) for x in buffers]
+    blocks = _over_devices(lambda bufs: _unpack_group(optimizer, bufs, dtypes), len(sizes))(
+        per_device
+    )
+    leaves = [None if y is None else _joined(y, r) for y, r in zip(_leaves(blocks), plan.routes)]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
 def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
     """Inverse of :func:`_unpack_global`: global (logical) leaves into each bucket's state array."""
     plan = optimizer.plan
-    tp = plan.axes.tp_size
-    if tp == 1:
+    sizes = plan.axes.tp_sizes
+    if not sizes:
         return _pack_group(optimizer, tree, dtypes)
-    blocks = [
-        None
-        if x is None
-        else jnp.broadcast_to(x, (tp, *x.shape))
-        if r.tensor_dim is None
-        else _split_blocks(x, r.tensor_dim, tp)
-        for x, r in zip(_leaves(tree), plan.routes)
-    ]
-    per_device = jax.vmap(lambda t: _pack_group(optimizer, t, dtypes))(
+    blocks = [None if x is None else _cut(x, r, sizes) for x, r in zip(_leaves(tree), plan.routes)]
+    per_device = _over_devices(lambda t: _pack_group(optimizer, t, dtypes), len(sizes))(
         jax.tree_util.tree_unflatten(plan.treedef, blocks)
     )
     return tuple(None if x is None else tuple(b.reshape(-1) for b in x) for x in per_device)
+
+
+def _over_devices(fn, depth: int):
+    """``fn`` mapped over ``depth`` leading axes (one per tensor-parallel mesh axis)."""
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _joined(blocks: jax.Array, route) -> jax.Array:
+    """``[*tp sizes, *block]`` to the global leaf: the minor mesh axis's blocks joined first."""
+    for a in reversed(range(len(route.tensor_dims))):
+        dim = route.tensor_dims[a]
+        if dim is None:
+            blocks = jnp.take(blocks, 0, axis=a)
+        else:
+            blocks = _over_devices(lambda z, dim=dim: _merge_blocks(z, dim), a)(blocks)
+    return blocks
+
+
+def _cut(leaf: jax.Array, route, sizes) -> jax.Array:
+    """Inverse of :func:`_joined`: a global leaf to each device's block, ``[*tp sizes, *block]``
+    (a leaf whole over a mesh axis repeated along it)."""
+    for a, (dim, size) in enumerate(zip(route.tensor_dims, sizes)):
+        if dim is None:
+            cut = lambda z, size=size: jnp.broadcast_to(z, (size, *z.shape))  # noqa: E731
+        else:
+            cut = lambda z, dim=dim, size=size: _split_blocks(z, dim, size)  # noqa: E731
+        leaf = _over_devices(cut, a)(leaf)
+    return leaf
 
 
 def _unpack_group(optimizer: LayerwiseOptimizer, buffers, dtypes):

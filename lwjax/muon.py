@@ -49,25 +49,30 @@ TP_MODES: tuple[str, ...] = ("duplicated", "distributed", "blockwise")
 
 @dataclasses.dataclass(frozen=True)
 class TensorSplit:
-    """How a stack ``[..., m, n]`` is split over a tensor-parallel mesh axis (in ``shard_map``).
+    """How a stack ``[..., m, n]`` is split over tensor-parallel mesh axes (in ``shard_map``).
 
-    Each device of ``axis_name`` holds a contiguous block of every matrix
-    along ``dim``, in device order; the whole matrix is ``size`` blocks.
+    Each device holds a contiguous block of every matrix: the rows cut by the
+    ``rows`` mesh axes, the columns by the ``cols`` ones, the first axis of each
+    the major one; the whole matrix is the grid of every device's block.
 
     Attributes:
-      axis_name: The tensor-parallel mesh axis.
-      size: Its size.
-      dim: The split axis, -2 (rows) or -1 (columns).
+      rows: ``(axis name, size)`` of the mesh axes splitting the rows, major first.
+      cols: The same for the columns.
     """
 
-    axis_name: str
-    size: int
-    dim: int
+    rows: tuple[tuple[str, int], ...] = ()
+    cols: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every splitting mesh axis, rows' first: a device's linear index over them is its
+        block's position in the grid, row-major."""
+        return tuple(name for name, _ in (*self.rows, *self.cols))
 
     def full(self, shape: tuple[int, int]) -> tuple[int, int]:
         """The whole matrix's ``(m, n)`` from one block's."""
         m, n = shape
-        return (m * self.size, n) if self.dim == -2 else (m, n * self.size)
+        return m * math.prod(s for _, s in self.rows), n * math.prod(s for _, s in self.cols)
 
 
 def _spectral_scale(size_out: int, size_in: int) -> float:
@@ -217,7 +222,15 @@ def _polar(
         dtype=_storage_dtype(update.dtype, precision),
     )
     if tensor is not None and tp_mode == "distributed":
-        ns = functools.partial(ns, sharded=(tensor.axis_name, tensor.dim))
+        if tensor.rows and tensor.cols:
+            raise ValueError(
+                "tp_mode='distributed' needs each matrix split on one side; got a block of "
+                f"rows split over {tensor.rows} and columns over {tensor.cols}."
+            )
+        side = tensor.rows or tensor.cols
+        ns = functools.partial(
+            ns, sharded=(tuple(name for name, _ in side), -2 if tensor.rows else -1)
+        )
     elif tensor is not None and tp_mode == "duplicated":
         ns = functools.partial(_exchanged, ns, tensor)
     if qkv_split_shapes is None:
@@ -245,33 +258,33 @@ def _exchanged(ns, tensor: TensorSplit, block: jax.Array) -> jax.Array:
     """``ns`` of the whole matrices, each computed once; this device's block of each back.
 
     The ``duplicated`` mode's update, without its duplicated work: matrix ``j``
-    of the stack (padded with zero matrices to a multiple of the axis size
-    ``t``) is assembled on device ``j // ceil(count / t)`` of the axis from
-    every device's block (one ``all_to_all``), orthogonalised there whole, and
-    its blocks are sent back (another). Each device moves ``(t-1)/t`` of its
-    blocks each way, where an ``all_gather`` moves ``t-1`` times them, and runs
-    Newton–Schulz on ``1/t`` of the matrices (Megatron's proposed
+    of the stack (padded with zero matrices to a multiple of the ``t`` devices
+    the blocks are spread over) is assembled on device ``j // ceil(count / t)``
+    from every device's block (one ``all_to_all``), orthogonalised there whole,
+    and its blocks are sent back (another). Each device moves ``(t-1)/t`` of
+    its blocks each way, where an ``all_gather`` moves ``t-1`` times them, and
+    runs Newton–Schulz on ``1/t`` of the matrices (Megatron's proposed
     ``layer_sharded`` mode does the same).
     """
-    t = tensor.size
+    grid_rows = [size for _, size in tensor.rows]
+    grid_cols = [size for _, size in tensor.cols]
+    k, t = len(grid_rows), math.prod(grid_rows) * math.prod(grid_cols)
     *lead, r, c = block.shape
     count = math.prod(lead)
     per = -(-count // t)
     flat = block.reshape(count, r, c)
     if per * t > count:
         flat = jnp.concatenate([flat, jnp.zeros((per * t - count, r, c), flat.dtype)])
-    # received[s]: source s's blocks of the matrices this device assembles.
-    received = lax.all_to_all(flat.reshape(t, per, r, c), tensor.axis_name, 0, 0)
-    rows = tensor.dim == -2
-    whole = jnp.moveaxis(received, 0, 1 if rows else 2).reshape(
-        (per, t * r, c) if rows else (per, r, t * c)
-    )
-    done = ns(whole)
-    blocks = jnp.moveaxis(
-        done.reshape((per, t, r, c) if rows else (per, r, t, c)), 1 if rows else 2, 0
-    )
+    # received[s]: the block at grid position s (row-major) of the matrices this device assembles.
+    received = lax.all_to_all(flat.reshape(t, per, r, c), tensor.names, 0, 0)
+    grid = received.reshape(*grid_rows, *grid_cols, per, r, c)
+    n = grid.ndim - 3  # grid axes
+    to_whole = (n, *range(k), n + 1, *range(k, n), n + 2)  # [per, rows grid, r, cols grid, c]
+    whole = grid.transpose(to_whole).reshape(per, r * t // math.prod(grid_cols), -1)
+    done = ns(whole).reshape(per, *grid_rows, r, *grid_cols, c)
+    blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
     # back[g]: this device's block of the matrices device g assembled.
-    back = lax.all_to_all(blocks, tensor.axis_name, 0, 0)
+    back = lax.all_to_all(blocks, tensor.names, 0, 0)
     return back.reshape(t * per, r, c)[:count].reshape(block.shape)
 
 

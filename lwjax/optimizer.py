@@ -29,7 +29,7 @@ from lwjax import step as step_lib
 from lwjax.groups import MAX_PADDING, choose_groups
 from lwjax.layout import LayoutConfig
 from lwjax.muon import MuonConfig
-from lwjax.plan import MeshAxes, ParamPlan, StepPlan, make_plan
+from lwjax.plan import MeshAxes, ParamPlan, StepPlan, as_axis_tuple, make_plan
 from lwjax.policies import compute_full_param_layout
 from lwjax.routing import (
     LeafRoute,
@@ -153,7 +153,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         local gradients and parameters (expert leaves local, see ``param_specs``).
       state_specs: ``PartitionSpec`` pytree of the state, for ``shard_map``.
       expert_axis: Name of the expert-parallel mesh axis, or ``None``.
-      tensor_axis: Name of the tensor-parallel mesh axis, or ``None``.
+      tensor_axis: Name of the tensor-parallel mesh axis (or a tuple of them), or ``None``.
       param_specs: ``PartitionSpec`` pytree (prefix) of the parameters:
         ``P()`` for dense leaves, the expert axis split over ``expert_axis``
         for expert leaves, the tensor-parallel axis over ``tensor_axis`` for
@@ -166,7 +166,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
     local_update: Callable
     state_specs: LayerwiseState
     expert_axis: str | None
-    tensor_axis: str | None
+    tensor_axis: str | tuple[str, ...] | None
     param_specs: Any
 
     def __new__(
@@ -180,7 +180,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         local_update: Callable,
         state_specs: LayerwiseState,
         expert_axis: str | None = None,
-        tensor_axis: str | None = None,
+        tensor_axis: str | tuple[str, ...] | None = None,
         param_specs: Any = None,
     ):
         self = super().__new__(cls, init, update)
@@ -225,7 +225,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         """Per routed leaf path, where its global array lives: whole on every device, or
         split over ``expert_axis`` / ``tensor_axis`` as :attr:`param_specs` says."""
         return {
-            r.path: NamedSharding(self.mesh, _param_spec(r, self.expert_axis, self.tensor_axis))
+            r.path: NamedSharding(self.mesh, _param_spec(r, self.expert_axis, self.plan.axes.tp))
             for r in self.plan.routes
         }
 
@@ -253,7 +253,7 @@ def layerwise_muon(
     axis: str = "dp",
     expert_axis: str | None = None,
     replica_axis: str | None = None,
-    tensor_axis: str | None = None,
+    tensor_axis: str | tuple[str, ...] | None = None,
     learning_rate: ScalarOrSchedule = 0.02,
     adam_learning_rate: ScalarOrSchedule | None = None,
     muon: MuonConfig = MuonConfig(),
@@ -303,7 +303,9 @@ def layerwise_muon(
     orthogonalised as ``muon.tp_mode`` says (Megatron's ``--muon-tp-mode``);
     a leaf held whole by every device counts once in the gradient norm. The
     same option runs fully sharded (FSDP) parameters: name an axis that splits
-    the leaves and the batch (``docs/scaling.md``).
+    the leaves and the batch (``docs/scaling.md``). A tuple names several such
+    axes (e.g. ``("fsdp", "tp")``): a leaf may be split over any of them, on
+    one stored axis each or on one together (major first, in this order).
 
     Args:
       params: The (global) parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
@@ -312,8 +314,8 @@ def layerwise_muon(
       expert_axis: The expert-parallel axis, or ``None`` (expert leaves, if
         any, then live in expert buffers sharded over ``axis``).
       replica_axis: The axis across sharding groups, or ``None`` (one group).
-      tensor_axis: The tensor-parallel axis, or ``None``; which leaves are
-        split over it is read from their shardings.
+      tensor_axis: The tensor-parallel axis (or a tuple of them), or ``None``;
+        which leaves are split over it is read from their shardings.
       learning_rate: Muon learning rate, or a schedule of the step count.
       adam_learning_rate: Learning rate of the elementwise parameters;
         defaults to ``learning_rate`` (Megatron uses one schedule for both).
@@ -371,8 +373,16 @@ def layerwise_muon(
         learning_rate,
         adam_learning_rate,
     )
+    if muon.tp_mode == "distributed":
+        for r in plan.routes:
+            if r.is_muon and all(r.tensor_split):
+                raise ValueError(
+                    f"layerwise_muon: {r.path} is split over tensor-parallel axes on both its "
+                    "rows and its columns; MuonConfig(tp_mode='distributed') needs one side "
+                    "whole (use 'duplicated')."
+                )
     param_specs = P()  # a prefix of the parameters: replicated, unless some leaves are split
-    leaf_specs = [_param_spec(r, expert_axis, tensor_axis) for r in plan.routes]
+    leaf_specs = [_param_spec(r, expert_axis, axes.tp) for r in plan.routes]
     if any(spec != P() for spec in leaf_specs):
         param_specs = jax.tree_util.tree_unflatten(plan.treedef, leaf_specs)
     state_specs = _state_specs(plan)
@@ -444,29 +454,30 @@ def axis_names(leaf) -> tuple[str | None, ...] | None:
     return None
 
 
-def tensor_dims(params, axes: MeshAxes) -> list[int | None]:
-    """Per array leaf (flatten order), the axis its sharding splits over ``axes.tp``, or ``None``.
+def tensor_dims(params, axes: MeshAxes) -> list[tuple[int | None, ...]]:
+    """Per array leaf (flatten order), per tensor-parallel axis of ``axes.tp``, the stored axis
+    the leaf's sharding splits over it, or ``None``.
 
     Leaves without a ``NamedSharding`` (numpy arrays, abstract leaves given
     none) are whole on every tensor-parallel device.
 
     Raises:
-      ValueError: naming the leaf, when its sharding splits it over a mesh
-        axis other than the tensor-parallel and expert axes (sharded storage
-        is not supported), or over the tensor-parallel axis on two axes.
+      ValueError: naming the leaf, when its sharding splits it over a mesh axis
+        other than the tensor-parallel and expert axes, over one of them on two
+        axes, or over two of them on one axis in an order other than ``tp``'s.
     """
-    known = {axes.tp, axes.ep} - {None}
+    known = {*axes.tp, axes.ep} - {None}
     flat, _ = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: axis_names(x) is not None
     )
-    dims = []
+    leaves = []
     for path, leaf in flat:
         value = getattr(leaf, "value", leaf) if axis_names(leaf) is not None else leaf
         if not is_array_like(value):
             continue
         sharding = getattr(value, "sharding", None)
         spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-        found = []
+        dims: list[int | None] = [None] * len(axes.tp)
         for dim, entry in enumerate(spec):
             names = entry if isinstance(entry, tuple) else (entry,)
             other = [n for n in names if n is not None and n not in known]
@@ -477,22 +488,29 @@ def tensor_dims(params, axes: MeshAxes) -> list[int | None]:
                     f"tensor_axis={axes.tp!r} (and the expert axis). Replicate it over "
                     f"{other[0]!r}."
                 )
-            if axes.tp in names:
-                found.append(dim)
-        if len(found) > 1:
-            raise ValueError(
-                f"layerwise_muon: {path_name(path)} is split over {axes.tp!r} on axes {found} "
-                f"({spec}); split it on one axis."
-            )
-        dims.append(found[0] if found else None)
-    if axes.tp_size > 1 and all(d is None for d in dims):
+            split = [n for n in names if n in axes.tp]
+            if split != sorted(split, key=axes.tp.index):
+                raise ValueError(
+                    f"layerwise_muon: {path_name(path)} splits axis {dim} over {tuple(split)} "
+                    f"({spec}); name them in tensor_axis's order {axes.tp}."
+                )
+            for name in split:
+                a = axes.tp.index(name)
+                if dims[a] is not None:
+                    raise ValueError(
+                        f"layerwise_muon: {path_name(path)} is split over {name!r} on axes "
+                        f"{dims[a]} and {dim} ({spec}); split it on one axis."
+                    )
+                dims[a] = dim
+        leaves.append(tuple(dims))
+    if axes.tp_size > 1 and all(d is None for dims in leaves for d in dims):
         warnings.warn(
             f"layerwise_muon: tensor_axis={axes.tp!r} is given but no parameter's sharding "
             "splits over it; every leaf is held whole by each tensor-parallel device. Pass "
             "parameters (or jax.ShapeDtypeStruct) with their NamedShardings.",
             stacklevel=3,
         )
-    return dims
+    return leaves
 
 
 def plan_params(
@@ -503,7 +521,7 @@ def plan_params(
     *,
     grad_reduce_in_fp32: bool = True,
     matrix_convention: MatrixConvention = "in_out",
-    tensor_dims: list[int | None] | None = None,
+    tensor_dims: list[tuple[int | None, ...]] | None = None,
 ) -> ParamPlan:
     """Route a parameter pytree, lay it out over ``axes`` and build its per-rank tables.
 
@@ -519,7 +537,7 @@ def plan_params(
     )
     if tensor_dims is not None:
         routes = with_tensor_parallel(
-            routes, tensor_dims, axes.tp_size, matrix_convention=matrix_convention
+            routes, tensor_dims, axes.tp_sizes, matrix_convention=matrix_convention
         )
     full = compute_full_param_layout(
         param_specs(routes),
@@ -583,14 +601,15 @@ def _mesh_axes(
     axis: str,
     expert_axis: str | None,
     replica_axis: str | None = None,
-    tensor_axis: str | None = None,
+    tensor_axis: str | tuple[str, ...] | None = None,
 ) -> MeshAxes:
     """Check the axis names against the mesh and return their :class:`MeshAxes`."""
+    tensor_axes = () if tensor_axis is None else as_axis_tuple(tensor_axis)
     named = (
         ("axis", axis, "data-parallel"),
         ("expert_axis", expert_axis, "expert-parallel"),
         ("replica_axis", replica_axis, "sharding-group"),
-        ("tensor_axis", tensor_axis, "tensor-parallel"),
+        *(("tensor_axis", name, "tensor-parallel") for name in tensor_axes),
     )
     for _, name, what in named:
         if name is not None and name not in mesh.axis_names:
@@ -611,8 +630,8 @@ def _mesh_axes(
         1 if expert_axis is None else mesh.shape[expert_axis],
         replica_axis,
         1 if replica_axis is None else mesh.shape[replica_axis],
-        tensor_axis,
-        1 if tensor_axis is None else mesh.shape[tensor_axis],
+        tensor_axes,
+        tuple(mesh.shape[name] for name in tensor_axes),
     )
 
 
@@ -682,14 +701,15 @@ def auto_groups(
     return grouped, dataclasses.replace(layout, policy=choice.policy)
 
 
-def _param_spec(route: LeafRoute, expert_axis: str | None, tensor_axis: str | None) -> P:
+def _param_spec(route: LeafRoute, expert_axis: str | None, tensor_axes: tuple[str, ...]) -> P:
     """A leaf's ``PartitionSpec``: its expert axis over ``expert_axis`` (when given), its
-    tensor-parallel axis over ``tensor_axis``; ``P()`` for a leaf that is whole on every device."""
-    entries = [None] * len(route.shape)
+    tensor-parallel splits over ``tensor_axes``; ``P()`` for a leaf whole on every device."""
+    entries: list = [None] * len(route.shape)
     if route.expert_dim is not None and expert_axis is not None:
         entries[route.expert_dim] = expert_axis
-    if route.tensor_dim is not None:
-        entries[route.tensor_dim] = tensor_axis
+    for name, dim in zip(tensor_axes, route.tensor_dims):
+        if dim is not None:
+            entries[dim] = name if entries[dim] is None else (*as_axis_tuple(entries[dim]), name)
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)

@@ -24,6 +24,7 @@ same layout over its own experts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
     from lwjax.muon import MuonConfig
     from lwjax.optimizer import OptimizerConfig
     from lwjax.schedule import BucketSchedule
+
+
+def as_axis_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axis names as a tuple: ``"dp"`` is ``("dp",)``."""
+    return axes if isinstance(axes, tuple) else (axes,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +64,10 @@ class MeshAxes:
       ep_size: Size of ``ep`` (1 when ``ep`` is ``None``).
       replica: The axis across sharding groups, or ``None`` (one group).
       replica_size: Size of ``replica`` (1 when ``replica`` is ``None``).
-      tp: The tensor-parallel axis, or ``None``. Each of its devices holds its
-        own block of every split leaf and runs the same plan on it; the batch
-        is not split over it, and its devices' optimizer states differ.
-      tp_size: Size of ``tp`` (1 when ``tp`` is ``None``).
+      tp: The tensor-parallel axes (``()`` without). Each of their devices
+        holds its own block of every split leaf and runs the same plan on it,
+        and their devices' optimizer states differ.
+      tp_sizes: Their sizes.
     """
 
     dp: str
@@ -70,8 +76,13 @@ class MeshAxes:
     ep_size: int = 1
     replica: str | None = None
     replica_size: int = 1
-    tp: str | None = None
-    tp_size: int = 1
+    tp: tuple[str, ...] = ()
+    tp_sizes: tuple[int, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        """Devices a tensor-parallel block is one of: the product of ``tp_sizes``."""
+        return math.prod(self.tp_sizes)
 
     @property
     def group(self) -> str | tuple[str, str]:
@@ -108,17 +119,16 @@ class MeshAxes:
         else:
             group = self.group
             axes = group if isinstance(group, tuple) else (group,)
-        if self.tp is not None:
-            axes = (self.tp, *axes)
+        axes = (*self.tp, *axes)
         return axes if len(axes) > 1 else axes[0]
 
     @property
     def statistics(self) -> str | tuple[str, ...]:
         """The axes gradient statistics are summed over: a group's devices and ``tp``."""
         group = self.group
-        if self.tp is None:
+        if not self.tp:
             return group
-        return (*(group if isinstance(group, tuple) else (group,)), self.tp)
+        return (*(group if isinstance(group, tuple) else (group,)), *self.tp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +164,11 @@ class SlotGroup:
       names: ``names[r]``: the parameters behind rank ``r``'s real slots.
       lr_mult, wd_mult: The learning-rate and weight-decay multipliers shared
         by every matrix of the group.
-      tensor_split: The axis of ``shape`` (0 rows, 1 columns) split over
-        tensor parallelism: ``shape`` is one device's block of each matrix.
-        ``None``: the matrices are whole on each device.
-      tensor_replicated: Every tensor-parallel device holds the same matrices
-        (counted once in the step's statistics).
+      tensor_split: The tensor-parallel mesh axes (positions in
+        ``MeshAxes.tp``) that split the rows and the columns of each matrix,
+        major first: ``shape`` is one device's block. ``((), ())``: whole.
+      tensor_whole: The tensor-parallel mesh axes over which every device
+        holds the same matrices (counted on the first device of each).
     """
 
     bucket: int
@@ -168,8 +178,8 @@ class SlotGroup:
     names: tuple[tuple[str, ...], ...]
     lr_mult: float = 1.0
     wd_mult: float = 1.0
-    tensor_split: int | None = None
-    tensor_replicated: bool = False
+    tensor_split: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    tensor_whole: tuple[int, ...] = ()
 
     @property
     def width(self) -> int:
@@ -305,18 +315,13 @@ def make_plan(
     for leaf, route in enumerate(routes):
         for index, name in enumerate(route.param_names()):
             where[name] = (leaf, index)
-    buffers = tuple(
-        _plan_buffer(key, lay, routes, where, axes.tp_size > 1)
-        for key, lay in layout.layouts.items()
-    )
+    buffers = tuple(_plan_buffer(key, lay, routes, where) for key, lay in layout.layouts.items())
     return ParamPlan(
         treedef=treedef, routes=tuple(routes), layout=layout, buffers=buffers, axes=axes
     )
 
 
-def _plan_buffer(
-    key: BufferKey, layout: PerBufferParamLayout, routes, where, tensor_parallel: bool
-) -> BufferPlan:
+def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) -> BufferPlan:
     """One buffer's segments, per-rank runs and padding, and (layer-wise) slot groups."""
     dp = layout.num_shards
     sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
@@ -349,7 +354,7 @@ def _plan_buffer(
                 route.lr_mult,
                 route.wd_mult,
                 route.tensor_split,
-                tensor_parallel and route.tensor_dim is None,
+                route.tensor_whole,
             )
             per_rank = owned.setdefault(group_key, [[] for _ in range(dp)])
             per_rank[rank].append((start - bucket_start - rank * size, name))
@@ -375,28 +380,18 @@ def _slot_groups(
     """
 
     def order(item):
-        bucket, shape, split, lr_mult, wd_mult, tensor_split, replicated = item[0]
-        return (
-            bucket,
-            shape,
-            split or (),
-            lr_mult,
-            wd_mult,
-            -1 if tensor_split is None else tensor_split,
-            replicated,
-        )
+        bucket, shape, split, lr_mult, wd_mult, tensor_split, whole = item[0]
+        return bucket, shape, split or (), lr_mult, wd_mult, tensor_split, whole
 
     groups = []
     for key, per_rank in sorted(owned.items(), key=order):
-        bucket, shape, split, lr_mult, wd_mult, tensor_split, replicated = key
+        bucket, shape, split, lr_mult, wd_mult, tensor_split, whole = key
         width = max(len(slots) for slots in per_rank)
         offsets = tuple(
             tuple(sorted(o for o, _ in s)) + (sizes[bucket],) * (width - len(s)) for s in per_rank
         )
         names = tuple(tuple(n for _, n in sorted(s)) for s in per_rank)
         groups.append(
-            SlotGroup(
-                bucket, shape, split, offsets, names, lr_mult, wd_mult, tensor_split, replicated
-            )
+            SlotGroup(bucket, shape, split, offsets, names, lr_mult, wd_mult, tensor_split, whole)
         )
     return tuple(groups)

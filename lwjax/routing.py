@@ -209,11 +209,12 @@ class LeafRoute:
         (split over the expert-parallel mesh axis); ``None`` otherwise.
       expert_parallel: Expert-parallel size: each device holds
         ``shape[expert_dim] / expert_parallel`` experts.
-      tensor_dim: The stored axis split over the tensor-parallel mesh axis
-        (each device holds a contiguous block of ``shape[tensor_dim] /
-        tensor_parallel``), or ``None`` when every tensor-parallel device
-        holds the whole leaf (:func:`with_tensor_parallel`).
-      tensor_parallel: Tensor-parallel size of a split leaf (1 otherwise).
+      tensor_dims: Per tensor-parallel mesh axis (in the order the optimizer
+        names them), the stored axis it splits, or ``None`` where the leaf is
+        whole over it; ``()`` without tensor parallelism. A device holds a
+        contiguous block of each split axis; two mesh axes may split one
+        stored axis, the first the major one (:func:`with_tensor_parallel`).
+      tensor_sizes: The sizes of those mesh axes.
       lr_mult: Learning-rate multiplier (Megatron's ``lr_mult``).
       wd_mult: Weight-decay multiplier (Megatron's ``wd_mult``).
       grad_norm_group: Name of a separate gradient-norm group, or ``None`` for
@@ -236,8 +237,8 @@ class LeafRoute:
     qkv_split_shapes: tuple[int, ...] | None = None
     expert_dim: int | None = None
     expert_parallel: int = 1
-    tensor_dim: int | None = None
-    tensor_parallel: int = 1
+    tensor_dims: tuple[int | None, ...] = ()
+    tensor_sizes: tuple[int, ...] = ()
     lr_mult: float = 1.0
     wd_mult: float = 1.0
     grad_norm_group: str | None = None
@@ -264,18 +265,28 @@ class LeafRoute:
         return (self.view or self.shape)[self.stack_dims :]
 
     @property
-    def tensor_split(self) -> int | None:
-        """The axis of :attr:`param_shape` split over tensor parallelism (0 rows, 1 columns), or
-        ``None`` when the parameter is whole on each device (also when a stacked axis is split)."""
-        if self.tensor_dim is None:
-            return None
-        position = (
-            self.tensor_dim if self.axes_order is None else self.axes_order.index(self.tensor_dim)
-        )
-        view_axis = next(
-            j for j, (start, end) in enumerate(self._spans()) if start <= position < end
-        )
-        return view_axis - self.stack_dims if view_axis >= self.stack_dims else None
+    def tensor_split(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The tensor-parallel mesh axes (their positions) that split each axis of
+        :attr:`param_shape`, ``(rows, cols)``, major first; a mesh axis that splits a
+        stacked axis splits no matrix (each device then holds other matrices)."""
+        spans, split = self._spans(), ([], [])
+        order = []
+        for axis, dim in enumerate(self.tensor_dims):
+            if dim is None:
+                continue
+            position = dim if self.axes_order is None else self.axes_order.index(dim)
+            view_axis = next(j for j, (a, b) in enumerate(spans) if a <= position < b)
+            if view_axis >= self.stack_dims:
+                order.append((position, axis, view_axis - self.stack_dims))
+        for _, axis, side in sorted(order):
+            split[side].append(axis)
+        return tuple(split[0]), tuple(split[1])
+
+    @property
+    def tensor_whole(self) -> tuple[int, ...]:
+        """The tensor-parallel mesh axes (positions) over which every device holds the same
+        leaf: its statistics count on the first device of each only."""
+        return tuple(axis for axis, dim in enumerate(self.tensor_dims) if dim is None)
 
     def _spans(self) -> list[tuple[int, int]]:
         """Per axis of the view, the range of transposed stored axes merged into it."""
@@ -308,13 +319,14 @@ class LeafRoute:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """The leaf's shape on one device: the expert axis divided by ``expert_parallel``, the
-        tensor-parallel axis by ``tensor_parallel``."""
+        """The leaf's shape on one device: the expert axis divided by ``expert_parallel``, each
+        tensor-parallel split by its mesh axis's size."""
         shape = list(self.shape)
         if self.expert_dim is not None:
             shape[self.expert_dim] //= self.expert_parallel
-        if self.tensor_dim is not None:
-            shape[self.tensor_dim] //= self.tensor_parallel
+        for dim, size in zip(self.tensor_dims, self.tensor_sizes):
+            if dim is not None:
+                shape[dim] //= size
         return tuple(shape)
 
     @property
@@ -626,8 +638,10 @@ def routing_table(routes: Iterable[LeafRoute]) -> list[tuple[str, str, str, str,
         batch = (r.view or r.shape)[: r.stack_dims]
         count = f"{math.prod(batch)} × " if batch else ""
         view = f"{count}{list(r.full_param_shape)}" if r.is_muon else "-"
-        if r.is_muon and r.tensor_split is not None:
-            view += f" ({'rows' if r.tensor_split == 0 else 'cols'} / {r.tensor_parallel})"
+        if r.is_muon:
+            for side, axes in zip(("rows", "cols"), r.tensor_split):
+                if axes:
+                    view += f" ({side} / {math.prod(r.tensor_sizes[a] for a in axes)})"
         optimizer = "Muon" if r.is_muon else ("AdamW (tied)" if r.is_tied else "AdamW")
         rows.append((r.path, str(list(r.shape)), view, optimizer, r.why))
     return rows
@@ -661,54 +675,60 @@ def _expert_dim(name: str, shape: tuple[int, ...], stack: int, value, expert_par
 
 def with_tensor_parallel(
     routes: Sequence[LeafRoute],
-    tensor_dims: Sequence[int | None],
-    tensor_parallel: int,
+    tensor_dims: Sequence[Sequence[int | None]],
+    tensor_sizes: Sequence[int],
     *,
     matrix_convention: str = "in_out",
 ) -> tuple[LeafRoute, ...]:
-    """``routes`` with each leaf's tensor-parallel axis set, checked for what the step needs.
+    """``routes`` with each leaf's tensor-parallel axes set, checked for what the step needs.
 
     Args:
       routes: The routes of :func:`route_leaves`, global shapes.
-      tensor_dims: Per route, the stored axis split over the tensor-parallel
-        mesh axis (read from the leaf's sharding), or ``None`` for a leaf every
-        tensor-parallel device holds whole.
-      tensor_parallel: The tensor-parallel mesh axis size.
+      tensor_dims: Per route, per tensor-parallel mesh axis, the stored axis it
+        splits (read from the leaf's sharding), or ``None``.
+      tensor_sizes: The tensor-parallel mesh axes' sizes.
       matrix_convention: As for :func:`route_leaves` (which matrix axis is the output).
 
     Raises:
       ValueError: naming the leaf, for an axis out of range, one that does not
-        divide by ``tensor_parallel``, the expert axis, or a fused QKV matrix
+        divide by its mesh axes' sizes, the expert axis, or a fused QKV matrix
         whose local rows are not whole query groups.
     """
     if len(tensor_dims) != len(routes):
         raise ValueError(
             f"with_tensor_parallel: {len(tensor_dims)} tensor dims for {len(routes)} routes."
         )
+    sizes = tuple(tensor_sizes)
     out = []
-    for route, dim in zip(routes, tensor_dims):
-        if dim is None or tensor_parallel == 1:
-            out.append(route)
-            continue
+    for route, dims in zip(routes, tensor_dims):
+        dims = tuple(dims)
         name, shape = route.path, route.shape
-        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(shape):
-            raise ValueError(f"{name}: tensor-parallel axis {dim!r} is not an axis of {shape=}.")
-        if shape[dim] % tensor_parallel:
-            raise ValueError(
-                f"{name}: axis {dim} of {shape=} does not divide by the tensor-parallel size "
-                f"{tensor_parallel}."
-            )
-        if dim == route.expert_dim:
-            raise ValueError(
-                f"{name}: axis {dim} is the expert axis; it cannot also be split over the "
-                "tensor-parallel axis."
-            )
-        split = dataclasses.replace(route, tensor_dim=dim, tensor_parallel=tensor_parallel)
+        if len(dims) != len(sizes):
+            raise ValueError(f"{name}: {len(dims)} tensor dims for {len(sizes)} mesh axes.")
+        for dim in dims:
+            if dim is None:
+                continue
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(shape):
+                raise ValueError(
+                    f"{name}: tensor-parallel axis {dim!r} is not an axis of {shape=}."
+                )
+            if dim == route.expert_dim:
+                raise ValueError(
+                    f"{name}: axis {dim} is the expert axis; it cannot also be split over a "
+                    "tensor-parallel axis."
+                )
+            ways = math.prod(size for d, size in zip(dims, sizes) if d == dim)
+            if shape[dim] % ways:
+                raise ValueError(
+                    f"{name}: axis {dim} of {shape=} does not divide into the {ways} blocks "
+                    "its tensor-parallel mesh axes split it into."
+                )
+        split = dataclasses.replace(route, tensor_dims=dims, tensor_sizes=sizes)
         if route.qkv_split_shapes is not None:
             rows = split.param_shape[1 if matrix_convention == "in_out" else 0]
             if rows % sum(route.qkv_split_shapes):
                 raise ValueError(
-                    f"{name}: split over tensor parallelism on axis {dim}, a device's block "
+                    f"{name}: split over tensor parallelism on axes {dims}, a device's block "
                     f"{list(split.param_shape)} does not hold whole query groups of "
                     f"qkv_split={route.qkv_split_shapes} (split a fused QKV matrix by its "
                     "query groups, on the output axis)."

@@ -252,18 +252,24 @@ def _counted(plan: StepPlan, ranks) -> list[list]:
 def counted_elements(plan: StepPlan, i: int, k: int, rank):
     """Which elements of this device's shard of bucket ``k`` of buffer ``i`` statistics count
     (:func:`_counted`): ``True`` for all, else a boolean scalar or vector."""
-    replicated = replicated_leaves(plan)
-    if not any(replicated):
-        return True
-    mask = shards.per_element(plan.buffers[i], k, rank, replicated, np.bool_)
-    if mask is False:
-        return True
-    return (lax.axis_index(plan.axes.tp) == 0) | jnp.logical_not(mask)
+    wholes = [r.tensor_whole for r in plan.routes]
+    counted = True
+    for kind in sorted(set(wholes) - {()}):
+        member = shards.per_element(plan.buffers[i], k, rank, [w == kind for w in wholes], np.bool_)
+        if member is False:
+            continue
+        keep = first_device(plan, kind) | jnp.logical_not(member)
+        counted = keep if counted is True else counted & keep
+    return counted
 
 
-def replicated_leaves(plan: StepPlan) -> tuple[bool, ...]:
-    """Per leaf, whether every tensor-parallel device holds it whole (always false without one)."""
-    return tuple(plan.axes.tp_size > 1 and r.tensor_dim is None for r in plan.routes)
+def first_device(plan: StepPlan, axes: tuple[int, ...]) -> jax.Array:
+    """Whether this device is the first along each of the tensor-parallel mesh axes ``axes``
+    (positions in ``plan.axes.tp``)."""
+    first = jnp.asarray(True)
+    for a in axes:
+        first = first & (lax.axis_index(plan.axes.tp[a]) == 0)
+    return first
 
 
 def with_schedules_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -> GradStats:
@@ -415,11 +421,13 @@ def muon_directions(plan: StepPlan, i: int, k: int, momentum, grad, rank, finite
 
 def tensor_split(plan: StepPlan, group) -> muon_lib.TensorSplit | None:
     """How a slot group's matrices, as :func:`~lwjax.shards.take` reads them, are split over
-    the tensor-parallel axis; ``None`` when they are whole on each device."""
-    if group.tensor_split is None:
+    the tensor-parallel axes; ``None`` when they are whole on each device."""
+    if group.tensor_split == ((), ()):
         return None
-    axis = 1 - group.tensor_split if plan.transpose else group.tensor_split
-    return muon_lib.TensorSplit(plan.axes.tp, plan.axes.tp_size, axis - 2)
+    rows, cols = (
+        tuple((plan.axes.tp[a], plan.axes.tp_sizes[a]) for a in side) for side in group.tensor_split
+    )
+    return muon_lib.TensorSplit(cols, rows) if plan.transpose else muon_lib.TensorSplit(rows, cols)
 
 
 def apply_muon(
@@ -455,8 +463,8 @@ def apply_muon(
                 finite, new_m, shards.take(momentum, offsets, group.shape, plan.transpose)
             )
         change = jnp.sum(jnp.square(new_p - old_p))
-        if group.tensor_replicated:  # the same matrices on every tensor-parallel device
-            change = jnp.where(lax.axis_index(plan.axes.tp) == 0, change, 0)
+        if group.tensor_whole:  # the same matrices on every device of those axes
+            change = jnp.where(first_device(plan, group.tensor_whole), change, 0)
         delta_sq += change
         if plan.transpose:
             new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)

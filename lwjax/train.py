@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
+from lwjax.plan import as_axis_tuple
 
 
 def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=()) -> Callable:
@@ -65,7 +66,7 @@ def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable
     axes = optimizer.data_axes
     # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
     # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
-    manual = {} if optimizer.tensor_axis is None else {"axis_names": set(_names(axes))}
+    manual = {} if optimizer.tensor_axis is None else {"axis_names": set(as_axis_tuple(axes))}
 
     def local(params, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -82,10 +83,6 @@ def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable
         )(params, batch)
 
     return per_device
-
-
-def _names(axes: str | tuple[str, ...]) -> tuple[str, ...]:
-    return axes if isinstance(axes, tuple) else (axes,)
 
 
 def make_train_step(

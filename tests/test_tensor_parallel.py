@@ -118,8 +118,8 @@ def test_whole_matrix_modes_match_the_unsharded_reference(mesh_name, mode, scale
         routing=RULES,
     )
     routes = route_params(params, RULES)
-    assert {r.path: r.tensor_dim for r in opt.plan.routes} == {
-        k: (next((i for i, e in enumerate(s) if e == "tp"), None)) for k, s in specs.items()
+    assert {r.path: r.tensor_dims for r in opt.plan.routes} == {
+        k: (next((i for i, e in enumerate(s) if e == "tp"), None),) for k, s in specs.items()
     }
     ref = Reference(
         params, routes, lr=0.01, weight_decay=0.1, clip_grad=40.0, muon_config=muon, in_out=True
@@ -287,8 +287,10 @@ def test_routing_table_shows_the_split():
     assert "[32, 16] (rows / 2)" in table  # proj
     routes = {r.path: r for r in opt.plan.routes}
     assert routes["layers/wq"].param_shape == (D, HEADS * HEAD_DIM // 2)
-    assert routes["layers/wk"].tensor_split == 1
-    assert routes["layers/gate"].tensor_dim is None
+    assert routes["layers/wk"].tensor_split == ((), (0,))
+    assert routes["layers/gate"].tensor_dims == (None,) and routes["layers/gate"].tensor_whole == (
+        0,
+    )
 
 
 def test_bad_shardings_are_named():
@@ -299,7 +301,7 @@ def test_bad_shardings_are_named():
         lwjax.layerwise_muon(fsdp, mesh, tensor_axis="tp")
     qkv = {"qkv": jax.device_put(jnp.zeros((16, 48)), NamedSharding(mesh, P(None, "tp")))}
     # 48 output rows = 3 groups of (8, 4, 4): a device's 24 rows are not whole groups.
-    with pytest.raises(ValueError, match=r"qkv: split over tensor parallelism on axis 1"):
+    with pytest.raises(ValueError, match=r"qkv: split over tensor parallelism on axes \(1,\)"):
         lwjax.layerwise_muon(
             qkv, mesh, tensor_axis="tp", routing=RoutingRules(qkv_split={"qkv": QKV})
         )
@@ -464,3 +466,76 @@ def test_expert_leaves_split_over_tensor_and_expert_axes_match_the_reference():
         assert float(metrics["clip_coef"]) < 1
     for k, want in ref.params().items():
         np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
+
+
+def test_leaves_split_over_two_axes_match_the_unsharded_reference():
+    """dp 2 x fsdp 2 x tp 2 with ``tensor_axis=("fsdp", "tp")``: matrices split over both axes
+    on their two sides (a grid of blocks) or together on one, a fused QKV matrix, a stack split
+    over ``fsdp`` on its layer axis, leaves whole over one axis or both. Two steps against the
+    reference: parameters, norm (each leaf counted once), zeros, and the logical state."""
+    rng = np.random.default_rng(0)
+    leaves = {
+        "layers/up": ((L, D, FFN), P(None, "fsdp", "tp")),  # rows over fsdp, cols over tp
+        "layers/down": ((L, FFN, D), P(None, ("fsdp", "tp"))),  # rows over both, fsdp major
+        "layers/qkv": ((L, D, 4 * sum(QKV)), P(None, "fsdp", "tp")),
+        "layers/norm": ((L, D), P(None, "fsdp")),  # whole over tp
+        "blocks": ((4, D, D), P("fsdp", None, "tp")),  # other matrices on each fsdp device
+        "embed": ((VOCAB, D), P(("fsdp", "tp"))),
+        "head": ((D, VOCAB), P()),  # whole over both
+    }
+    params = {k: (rng.standard_normal(s) / 4).astype(np.float32) for k, (s, _) in leaves.items()}
+    specs = {k: spec for k, (_, spec) in leaves.items()}
+    rules = RoutingRules(stacked={"layers/*": 1, "blocks": 1}, qkv_split={"layers/qkv": QKV})
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "fsdp", "tp"))
+    muon = MuonConfig(fp32_matmul_prec="highest", scale_mode="unit_rms_norm")
+    config = OptimizerConfig(clip_grad=40.0)
+    sharded = _put(params, specs, mesh)
+    opt = lwjax.layerwise_muon(
+        sharded, mesh, tensor_axis=("fsdp", "tp"), muon=muon, config=config, routing=rules
+    )
+    routes = {r.path: r for r in opt.plan.routes}
+    assert routes["layers/up"].tensor_split == ((0,), (1,))
+    assert routes["layers/down"].tensor_split == ((0, 1), ())
+    assert routes["blocks"].tensor_split == ((), (1,)) and routes["head"].tensor_whole == (0, 1)
+    ref = Reference(
+        params,
+        route_params(params, rules),
+        lr=0.02,
+        weight_decay=0.01,
+        clip_grad=40.0,
+        muon_config=muon,
+        in_out=True,
+    )
+    state, current, step = opt.init(sharded), sharded, _metrics_step(opt)
+    for seed in (1, 2):
+        grads = _grads_like(params, seed)
+        grads["head"][:3] = 0.0  # zeros of a leaf every device holds: counted once
+        norms, zeros = ref.step(jax.tree.leaves(grads))
+        current, state, metrics = step(_put(grads, specs, mesh), state, current)
+        np.testing.assert_allclose(float(metrics["grad_norm"]), norms[None], rtol=1e-6)
+        assert float(metrics["clip_coef"]) < 1
+        assert int(metrics["num_zeros"]) == zeros == 3 * VOCAB
+    for k, want in ref.params().items():
+        np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
+        assert current[k].sharding.spec == specs[k], k
+    masters, momenta, _, _ = ref.logical()
+    logical = to_logical(opt, state)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(logical.masters[k]), masters[k], atol=2e-6)
+    again = to_logical(opt, from_logical(opt, logical))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(logical)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"layers/\w+ is split over tensor-parallel axes on both"):
+        lwjax.layerwise_muon(
+            sharded,
+            mesh,
+            tensor_axis=("fsdp", "tp"),
+            muon=MuonConfig(tp_mode="distributed"),
+            routing=rules,
+        )
+    with pytest.raises(ValueError, match=r"name them in tensor_axis's order \('fsdp', 'tp'\)"):
+        lwjax.layerwise_muon(
+            {"w": jax.device_put(jnp.zeros((16, 16)), NamedSharding(mesh, P(("tp", "fsdp"))))},
+            mesh,
+            tensor_axis=("fsdp", "tp"),
+        )
