@@ -539,3 +539,22 @@ def test_leaves_split_over_two_axes_match_the_unsharded_reference():
             mesh,
             tensor_axis=("fsdp", "tp"),
         )
+
+
+def test_auto_buckets_are_whole_buffers_when_duplicated_muon_deals_matrices_on_one_device():
+    """``bucket_size="auto"`` is one bucket per buffer exactly where the layout spans one device
+    and duplicated Muon deals matrices out over tensor-parallel devices (measured faster there,
+    slower without tensor parallelism: ``docs/benchmarks.md``)."""
+    from lwjax.layout import LayoutConfig
+    from lwjax.optimizer import resolved_layout
+    from lwjax.plan import MeshAxes
+
+    def bucket(dp, tp, mode="duplicated", size="auto"):
+        axes = MeshAxes("dp", dp_size=dp, tp=("tp",) if tp > 1 else (), tp_sizes=(tp,) * (tp > 1))
+        return resolved_layout(LayoutConfig(bucket_size=size), axes, MuonConfig(tp_mode=mode))
+
+    assert bucket(1, 2).bucket_size is None
+    assert bucket(2, 2).bucket_size == "auto"
+    assert bucket(1, 1).bucket_size == "auto"
+    assert bucket(1, 2, "distributed").bucket_size == "auto"
+    assert bucket(1, 2, size=1024).bucket_size == 1024

@@ -39,7 +39,12 @@ from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
 from lwjax.layout import LayoutConfig
 from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
 from lwjax.muon import TP_MODES, MuonConfig
-from lwjax.optimizer import LayerwiseOptimizer, OptimizerConfig, layerwise_muon
+from lwjax.optimizer import (
+    LayerwiseOptimizer,
+    OptimizerConfig,
+    layerwise_muon,
+    resolved_layout,
+)
 from lwjax.train import jit_shard_map
 
 # Megatron-Core GPTs (lwjax.megatron.gpt): 8b is Llama-3-8B's layer with 4 layers; 1b has 16
@@ -766,7 +771,9 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
             floor = dict(floor_skipped=TP_FLOOR_SKIPPED)
             if cfg.baselines:
                 floor["baseline_skipped"] = TP_BASELINE_SKIPPED
-        bucket_size = LayoutConfig(bucket_size=cfg.bucket_size).bucket_size_for(dp)
+        bucket_size = resolved_layout(
+            LayoutConfig(bucket_size=cfg.bucket_size), opt.mesh_axes, opt.plan.muon
+        ).bucket_size_for(dp)
         records.append(
             dict(
                 base,
