@@ -59,22 +59,47 @@ def random_grads(params, dp, steps, seed=1):
     ]
 
 
+_OPTIMIZERS = {}
+
+
+def _optimizer(params, dp, **options):
+    """``layerwise_muon(params, mesh_of(dp), **options)``, built once per parameter shapes and
+    options: tests that build the same optimizer share it, and so its step's compilation."""
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    key = (repr(shapes), dp, repr(sorted(options.items())))
+    if key not in _OPTIMIZERS:
+        _OPTIMIZERS[key] = layerwise_muon(params, mesh_of(dp), **options)
+    return _OPTIMIZERS[key]
+
+
+def _replicated(opt, tree):
+    """``tree`` whole on every device of the optimizer's mesh, as the step returns parameters:
+    the step's first call then compiles the program its later calls run."""
+    return jax.device_put(tree, NamedSharding(opt.mesh, P()))
+
+
+_STEPS = {}
+
+
 def _step_fn(opt):
-    return jax.jit(
-        jax.shard_map(
+    """The jitted sharded step of ``opt``, built once per optimizer object: a test that steps an
+    optimizer another test stepped reuses that compilation."""
+    if id(opt) not in _STEPS:  # (the entry holds opt, so no other object takes its id)
+        step = jax.shard_map(
             lambda p, s, g: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p),
             mesh=opt.mesh,
             in_specs=(P(), opt.state_specs, P("dp")),
             out_specs=(P(), opt.state_specs, P()),
             check_vma=False,
         )
-    )
+        _STEPS[id(opt)] = opt, jax.jit(step)
+    return _STEPS[id(opt)][1]
 
 
 def run_sharded(opt, params, grads_per_step):
     dp = opt.mesh.shape["dp"]
     step = _step_fn(opt)
-    state = opt.init(params)
+    state, params = opt.init(params), _replicated(opt, params)
     for device_grads in grads_per_step:
         stacked = jax.tree.map(lambda *g: np.stack(g), *device_grads)
         stacked = jax.device_put(stacked, NamedSharding(opt.mesh, P("dp")))
@@ -169,7 +194,7 @@ def test_nonfinite_grads_skip_the_step_and_keep_state():
     params = toy_params()
     opt = layerwise_muon(params, mesh_of(2), muon=MUON, config=CONFIG)
     step = _step_fn(opt)
-    state = opt.init(params)
+    state, params = opt.init(params), _replicated(opt, params)
     good = random_grads(params, 2, steps=1)[0]
     params1, state1, m1 = step(params, state, _stacked(opt, good))
     bad = [jax.tree.map(np.copy, g) for g in good]
@@ -398,9 +423,9 @@ def _serial_and_pipelined(
             pipeline_muon=pipelined,
             matrix_convention=matrix_convention,
         )
-        opt = layerwise_muon(
+        opt = _optimizer(
             params,
-            mesh_of(4),
+            4,
             learning_rate=LR,
             muon=muon,
             config=config,
@@ -652,8 +677,14 @@ def _with_bits(x: jax.Array, rng) -> jax.Array:
 def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
     params = toy_params()
     config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipeline_muon)
-    opt = layerwise_muon(
-        params, mesh_of(4), muon=MUON, config=config, layout=LayoutConfig(bucket_size=2000)
+    opt = _optimizer(  # the optimizers (and compiled steps) of the serial and pipelined tests
+        params,
+        4,
+        learning_rate=LR,
+        muon=MUON,
+        config=config,
+        layout=LayoutConfig(bucket_size=2000),
+        routing=RoutingRules(),
     )
     rng = np.random.default_rng(4)
     state = opt.init(params)
@@ -663,7 +694,7 @@ def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
     )
     bad = random_grads(params, 4, steps=1)[0]
     bad[3]["layer2"]["wo"][1, 1] = np.nan
-    _, new_state, metrics = _step_fn(opt)(params, state, _stacked(opt, bad))
+    _, new_state, metrics = _step_fn(opt)(_replicated(opt, params), state, _stacked(opt, bad))
     assert bool(metrics["skipped"])
     for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
         assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
@@ -723,7 +754,7 @@ def test_an_unusable_scheduled_value_skips_the_step(schedule, pipeline_muon):
         ),
     )
     step = _step_fn(opt)
-    state, p = opt.init(params), params
+    state, p = opt.init(params), _replicated(opt, params)
     history = []
     for device_grads in grads:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *device_grads)
@@ -782,11 +813,11 @@ def test_a_weight_decay_schedule_steps_as_its_float_value_at_each_count(form, pi
     """A scheduled weight decay gives, step by step, what an optimizer built with that step's
     value as a float gives (Muon matrices and 2-D elementwise leaves, with wd_mult)."""
     params = toy_params(layers=1)
-    grads = random_grads(params, 2, steps=3, seed=5)
+    grads = random_grads(params, 2, steps=2, seed=5)  # two counts: the value changes between
     scheduled = _wd_optimizer(params, _wd_schedule, pipeline_muon)
     step = _wd_stepper(scheduled, form)
-    got, state = params, scheduled.init(params)
-    want, want_state = params, state
+    got, state = _replicated(scheduled, params), scheduled.init(params)
+    want, want_state = got, state
     for count, device_grads in enumerate(grads):
         got, state = step(got, state, device_grads)
         fixed = _wd_optimizer(params, float(_wd_schedule(count)), pipeline_muon)

@@ -50,9 +50,12 @@ def test_model_flops_per_token_counts_matmuls_and_causal_attention():
     assert tb.model_flops_per_token(model, 2048) == 6 * matmul + 6 * 16 * 2048 * 2048
 
 
+_GRAD = jax.jit(jax.grad(CFG.loss()))  # compiled once: every test's parameters have one shape
+
+
 def _grad(params, batch):
     """The full-batch gradient of the benchmark's loss."""
-    return jax.jit(jax.grad(CFG.loss()))(params, batch)
+    return _GRAD(params, batch)
 
 
 def _one_step(contender, params, batch, dp):
@@ -175,20 +178,29 @@ def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
     )  # (1 - beta) g
 
 
-@pytest.mark.parametrize("per_device", [False, True], ids=["jax_grad", "lwjax_value_and_grad"])
-def test_optax_form_step_at_dp4_is_the_per_device_step(per_device):
-    """The optax-form contenders take the step lwjax's own contender takes."""
+@pytest.fixture(scope="module")
+def lwjax_step_at_dp4():
+    """lwjax's own contender's step at dp=4, taken once for both optax forms: the parameters,
+    batch and optimizer, the elements to compare, and the new parameters and state."""
     params = init_params(CFG.model(), jax.random.key(1))
     mesh = mesh_of(4)
     batch = tb.synthetic_batch(mesh, CFG.micro_batch, CFG.seq_len, CFG.model().vocab_size, seed=1)
     opt = tb.lwjax_optimizer(params, mesh, CFG)
     masks = jax.tree.leaves(_adam_well_conditioned(_grad(params, np.asarray(batch))))
-    copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (both steps donate)
+    copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (the step donates)
+    want, want_state, *_ = tb.lwjax_step(CFG.loss(), opt)(copy(), opt.init(params), batch)
+    where = [np.ones(m.shape, bool) if r.is_muon else m for r, m in zip(opt.plan.routes, masks)]
+    return params, batch, opt, where, want, want_state
+
+
+@pytest.mark.parametrize("per_device", [False, True], ids=["jax_grad", "lwjax_value_and_grad"])
+def test_optax_form_step_at_dp4_is_the_per_device_step(per_device, lwjax_step_at_dp4):
+    """The optax-form contenders take the step lwjax's own contender takes."""
+    params, batch, opt, where, want, want_state = lwjax_step_at_dp4
+    copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (the step donates)
     got, got_state, _ = tb.lwjax_optax_step(CFG.loss(), opt, per_device=per_device)(
         copy(), opt.init(params), batch
     )
-    want, want_state, *_ = tb.lwjax_step(CFG.loss(), opt)(copy(), opt.init(params), batch)
-    where = [np.ones(m.shape, bool) if r.is_muon else m for r, m in zip(opt.plan.routes, masks)]
     _assert_trees_close(got, want, 1e-5, where=where)
     assert int(got_state.count) == int(want_state.count) == 1
 
