@@ -616,7 +616,10 @@ def test_hostile_sizes_are_refused_before_allocating(hostile_results, case):
     kind, message, seconds, grown, match = hostile_results[case]
     assert kind == "DamagedCheckpointError", (kind, message)
     assert re.search(match, message), message
-    assert seconds < 1.0, seconds
+    # A bound on hanging, not a speed target: the refusal takes milliseconds (the overlapping
+    # case reads up to the byte budget), an old reader ran for minutes; a busy CI machine
+    # took 1.15 s for the slowest case once.
+    assert seconds < 10.0, seconds
     budget = DEFAULT_MAX_BYTES + (8 << 20)
     assert grown < (budget if case == "tensors_overlapping_a_storage" else 32 << 20), grown
 
