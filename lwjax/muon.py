@@ -280,7 +280,9 @@ def _exchanged(ns, tensor: TensorSplit, block: jax.Array) -> jax.Array:
     grid = received.reshape(*grid_rows, *grid_cols, per, r, c)
     n = grid.ndim - 3  # grid axes
     to_whole = (n, *range(k), n + 1, *range(k, n), n + 2)  # [per, rows grid, r, cols grid, c]
-    whole = grid.transpose(to_whole).reshape(per, r * t // math.prod(grid_cols), -1)
+    whole = grid.transpose(to_whole).reshape(
+        per, r * math.prod(grid_rows), c * math.prod(grid_cols)
+    )
     done = ns(whole).reshape(per, *grid_rows, r, *grid_cols, c)
     blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
     # back[g]: this device's block of the matrices device g assembled.

@@ -419,13 +419,8 @@ def route_params(
     leaves without a shape and dtype (Python numbers, strings, functions in
     an equinox module) are skipped with a warning naming their paths.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: axis_names(x) is not None
-    )
     records, skipped = [], []
-    for path, leaf in flat:
-        names = axis_names(leaf)
-        value = getattr(leaf, "value", leaf) if names is not None else leaf
+    for path, value, names in _unboxed_leaves(params):
         if is_array_like(value):
             records.append((path, tuple(value.shape), value.dtype, names))
         else:
@@ -440,6 +435,18 @@ def route_params(
     return route_leaves(
         records, rules, expert_parallel=expert_parallel, matrix_convention=matrix_convention
     )
+
+
+def _unboxed_leaves(params) -> list[tuple[Any, Any, tuple[str | None, ...] | None]]:
+    """``(key path, value, flax axis names or None)`` per leaf, boxed parameters unboxed."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: axis_names(x) is not None
+    )
+    out = []
+    for path, leaf in flat:
+        names = axis_names(leaf)
+        out.append((path, getattr(leaf, "value", leaf) if names is not None else leaf, names))
+    return out
 
 
 def axis_names(leaf) -> tuple[str | None, ...] | None:
@@ -485,12 +492,8 @@ def tensor_dims(params, axes: MeshAxes) -> list[tuple[int | None, ...]]:
         axes, or over two of them on one axis in an order other than ``tp``'s.
     """
     known = {*axes.tp, axes.ep} - {None}
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: axis_names(x) is not None
-    )
     leaves = []
-    for path, leaf in flat:
-        value = getattr(leaf, "value", leaf) if axis_names(leaf) is not None else leaf
+    for path, value, _ in _unboxed_leaves(params):
         if not is_array_like(value):
             continue
         sharding = getattr(value, "sharding", None)

@@ -197,20 +197,20 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     num_groups = len(plan.norm_groups)
     dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
     counted = _counted(plan, ranks)
+    # Elements counted elsewhere are zeros here: they add nothing to a sum or a maximum.
     grad_shards = [
-        [x if c is True else jnp.where(c, x, 1) for x, c in zip(buckets, kept)]
+        [x if c is True else jnp.where(c, x, 0) for x, c in zip(buckets, kept)]
         for buckets, kept in zip(grad_shards, counted)
     ]
 
     def per_group(value, reduce, combine) -> jax.Array:
         """``[num_groups]``: ``reduce`` (sum or max) of ``value(x, group)`` over this
-        device's counted elements of each group, shard results joined by ``combine`` (the
-        values are >= 0, so 0 stands for the other groups' elements and for empty groups)."""
+        device's elements of each group, shard results joined by ``combine`` (the values
+        are >= 0, so 0 stands for the other groups' elements and for empty groups)."""
         totals = [0] * num_groups
-        for buckets, bucket_groups, kept in zip(grad_shards, groups, counted):
-            for x, group, c in zip(buckets, bucket_groups, kept):
+        for buckets, bucket_groups in zip(grad_shards, groups):
+            for x, group in zip(buckets, bucket_groups):
                 v = value(x, group)
-                v = v if c is True else jnp.where(c, v, 0)
                 if isinstance(group, jax.Array):
                     for g in range(num_groups):
                         totals[g] = combine(totals[g], reduce(jnp.where(group == g, v, 0)))
@@ -219,9 +219,9 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
         return jnp.stack([jnp.asarray(t, dtype) for t in totals])
 
     zeros = 0
-    for buffer, buckets, rank in zip(plan.buffers, grad_shards, ranks):
-        for x in buckets:  # an element not counted here was set to 1 above
-            zeros = zeros + jnp.sum(x == 0, dtype=jnp.int32)
+    for buffer, buckets, kept, rank in zip(plan.buffers, grad_shards, counted, ranks):
+        for x, c in zip(buckets, kept):
+            zeros = zeros + jnp.sum(x == 0 if c is True else (x == 0) & c, dtype=jnp.int32)
         padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
         zeros = zeros - shards.rank_row(padding, rank)[0]
     sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
