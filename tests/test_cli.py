@@ -369,10 +369,14 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     )
 
 
-def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the_model(capsys):
+def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the_model(
+    capsys, tmp_path
+):
     """--tp 2 at dp 2 (4 devices): the record says tp and tp mode and that the floor and the
     optax baseline were not measured; a device holds the state of dp 2 alone with every split
-    leaf's share halved (vocabulary, column- and row-parallel matrices split, norms whole)."""
+    leaf's share halved (vocabulary, column- and row-parallel matrices split, norms whole).
+    The tp 1 run is also traced (--profile): the traced steps donate the state, and the state
+    they hand back is the one measured."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -392,7 +396,8 @@ def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the
 
     config = bench.workload_config("small", 1)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
-    tp1_bytes = bench._bench_lwjax(bench.BenchConfig(iters=1, warmup=1), config, mesh)[2]
+    traced = bench.BenchConfig(iters=1, warmup=1, profile_dir=str(tmp_path))
+    tp1_bytes = bench._bench_lwjax(traced, config, mesh)[2]
     # fp32 master and momentum per Muon element (the stacked matrices), master and two Adam
     # moments per other element; a split leaf's share halves.
     shapes = config.param_shapes()

@@ -331,7 +331,7 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
         ),
         (
             "bench --train-step --profile /tmp/x",
-            "lwjax bench: --megatron, --profile and --grad-std apply to the optimizer step only",
+            "lwjax bench: --profile and --grad-std apply to the optimizer step only",
         ),
         (
             "bench --train-step --micro-batch 0",
@@ -344,3 +344,62 @@ def test_cli_train_step_user_errors(argv, message, capsys):
     code = main(argv.split())
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
+
+
+FAKE_MEGATRON = """
+import json, os, sys
+print("Megatron's own log lines come first")
+times = {"fwd_bwd": 100.0, "adam": 110.0, "muon": 132.0, "adam_overlap": 105.0}
+contenders = {k: {"median_ms": v, "peak_mem_bytes": 7} for k, v in times.items()}
+contenders["muon"]["flags"] = {"argv": sys.argv[1:], "world": int(os.environ["WORLD_SIZE"])}
+contenders["muon_overlap"] = {"skipped": "overlap_param_gather: not in this release"}
+config = {"versions": {"megatron_core": "0.19.2"}, "attention": "local"}
+print(json.dumps({"config": config, "contenders": contenders}))
+"""
+
+
+def test_megatron_training_step_records_come_from_the_script_it_ran(tmp_path, capsys):
+    """--train-step --megatron SCRIPT: the script runs under torchrun on dp ranks with the
+    bench's shapes and settings; each contender becomes a record, its optimizer time against
+    Megatron's own forward+backward and Muon's overhead against Megatron's Adam; a contender
+    the script skipped is reported with its reason."""
+    from lwjax.tools.render import print_train_bench
+
+    script = tmp_path / "megatron_train_bench.py"
+    script.write_text(FAKE_MEGATRON)
+    cfg = dataclasses.replace(
+        CFG, workload="1b", layers=2, clip_grad=0.5, megatron_script=str(script)
+    )
+    tokens = 2 * cfg.micro_batch * cfg.seq_len
+    records = {r["contender"]: r for r in tb.megatron_train_records(cfg, 2, tokens)}
+    names = tb.MEGATRON_CONTENDERS
+    assert list(records) == list(names.values())
+    muon = records[names["muon"]]
+    argv = muon["flags"]["argv"]
+    assert muon["flags"]["world"] == 2
+    for flag, value in [
+        ("--preset", "1b"),
+        ("--layers", "2"),
+        ("--seq-len", str(cfg.seq_len)),
+        ("--micro-batch", str(cfg.micro_batch)),
+        ("--clip-grad", "0.5"),
+        ("--ns-prec", cfg.ns_precision),
+        ("--iters", str(cfg.iters)),
+    ]:
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "--grad-reduce-in-fp32" in argv and "--recompute" not in argv
+    assert muon["optimizer_ms"] == pytest.approx(32.0)
+    assert muon["muon_overhead_pct"] == {names["adam"]: pytest.approx(20.0)}
+    assert muon["tokens_per_s"] == pytest.approx(tokens / 0.132)
+    assert records[names["adam_overlap"]]["optimizer_ms"] == pytest.approx(5.0)
+    assert "optimizer_ms" not in records[names["fwd_bwd"]]
+    assert "not in this release" in records[names["muon_overlap"]]["skipped"]
+    base = dict(workload="1b", layers=2, params=1, micro_batch=2, seq_len=16, remat=False)
+    base.update(param_dtype="bfloat16", device="cpu", jax=jax.__version__, dp=2, mfu=None)
+    lwjax_muon = dict(base, contender=tb.MUON, step_ms=120.0, tokens_per_s=1.0)
+    lwjax_muon.update(compiled_bytes_per_device=None, muon_overhead_pct={})
+    print_train_bench([lwjax_muon, *(dict(base, **r) for r in records.values())])
+    table = capsys.readouterr().out
+    assert "skipped: overlap_param_gather" in table and "Megatron-Core Adam" in table
+    adam_row = next(line for line in table.splitlines() if names["adam"] in line)
+    assert "+20.0%" in adam_row  # Megatron's Muon over its own Adam

@@ -274,6 +274,53 @@ def ns_flops_tp(m, n, steps, tp, partition_dim, mode):
     return steps * (4 * gram * gram * local + 2 * gram**3)
 
 
+def single_rank_env():
+    """Outside torchrun (plain ``python script.py``), the environment of a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(20000 + os.getpid() % 20000),
+        )
+
+
+def transformer_config(a, preset, on_gpu, **extra):
+    """The benchmark GPT's TransformerConfig: RMSNorm, SwiGLU, RoPE, GQA, no biases, bf16,
+    no fused kernels; ``extra`` adds fields (tensor parallelism, recomputation)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=a.layers,
+        hidden_size=preset["hidden"],
+        num_attention_heads=preset["heads"],
+        num_query_groups=preset["groups"],
+        ffn_hidden_size=preset["ffn"],
+        kv_channels=preset["hidden"] // preset["heads"],
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        **extra,
+    )
+
+
 def main():
     a = parse_args()
     warnings.filterwarnings("ignore")
@@ -284,14 +331,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    if "RANK" not in os.environ:  # allow plain `python megatron_bench.py` (world size 1)
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(20000 + os.getpid() % 20000),
-        )
+    single_rank_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = not a.cpu
     if on_gpu:
@@ -320,7 +360,6 @@ def main():
         tag_params_for_buffer_routing,
     )
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
     from megatron.core.utils import get_pg_size
 
@@ -355,33 +394,7 @@ def main():
     P = dict(PRESETS[a.preset])
     if a.vocab is not None:
         P["vocab"] = a.vocab
-    cfg = TransformerConfig(
-        num_layers=a.layers,
-        hidden_size=P["hidden"],
-        num_attention_heads=P["heads"],
-        num_query_groups=P["groups"],
-        ffn_hidden_size=P["ffn"],
-        kv_channels=P["hidden"] // P["heads"],
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-5,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        tensor_model_parallel_size=a.tp,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-    )
+    cfg = transformer_config(a, P, on_gpu, tensor_model_parallel_size=a.tp)
     gpt = GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),

@@ -410,7 +410,9 @@ def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
         profile = {}
         if cfg.profile_dir:
             name = f"dp{dp}_tp{mesh.shape['tp']}" if tensor_parallel else f"dp{dp}"
-            profile = profile_steps(call, (params, state), 3, f"{cfg.profile_dir}/{name}")
+            profile, (params, state) = profile_steps(
+                call, (params, state), 3, f"{cfg.profile_dir}/{name}"
+            )
     state_bytes = max(
         sum(
             s.data.nbytes
@@ -450,9 +452,11 @@ def _union(intervals):
 def profile_steps(fn, args, steps: int, directory: str) -> dict:
     """Trace ``steps`` calls of ``args = fn(*args)`` and summarise device 0's kernels per step.
 
-    Returns kernel time per kind (matmul, reduce-scatter, all-gather, all-reduce,
-    other) in ms per step, the time covered by communication and by compute and
-    by both (overlap), and the costliest "other" kernels.
+    Returns the summary and the last ``args`` (``fn`` may donate the ones it
+    was given). The summary: kernel time per kind (matmul, reduce-scatter,
+    all-gather, all-reduce, other) in ms per step, the time covered by
+    communication and by compute and by both (overlap), and the costliest
+    "other" kernels; empty without a GPU.
     """
     import collections
     import glob
@@ -466,7 +470,7 @@ def profile_steps(fn, args, steps: int, directory: str) -> dict:
     data = jax.profiler.ProfileData.from_file(path)
     planes = [p for p in data.planes if p.name.startswith("/device:GPU:0")]
     if not planes:
-        return {}
+        return {}, args
     per_kind, other, comm, compute = collections.Counter(), collections.Counter(), [], []
     for line in planes[0].lines:
         if "stream" not in line.name.lower():
@@ -483,13 +487,14 @@ def profile_steps(fn, args, steps: int, directory: str) -> dict:
     comm_ns, compute_ns = _union(comm), _union(compute)
     both_ns = comm_ns + compute_ns - _union(comm + compute)
     ms = lambda ns: ns / 1e6 / steps  # noqa: E731
-    return dict(
+    summary = dict(
         kernel_ms={k: ms(v) for k, v in per_kind.items()},
         comm_ms=ms(comm_ns),
         compute_ms=ms(compute_ns),
         overlap_ms=ms(both_ns),
         top_other_ms={k: round(ms(v), 3) for k, v in other.most_common(12)},
     )
+    return summary, args
 
 
 def _bench_optax(cfg: BenchConfig, config: GPTConfig, mesh):

@@ -183,8 +183,8 @@ def print_bench(records: Sequence[dict]) -> None:
     console().print(rows)
 
 
-def print_train_bench(records: Sequence[dict], muon: str) -> None:
-    """The training-step table of ``lwjax bench --train-step``; ``muon`` names lwjax Muon's rows."""
+def print_train_bench(records: Sequence[dict]) -> None:
+    """The training-step table of ``lwjax bench --train-step``."""
     first = records[0]
     title = (
         f"Training step, {first['workload']} workload ({first['layers']} layers, "
@@ -203,14 +203,18 @@ def print_train_bench(records: Sequence[dict], muon: str) -> None:
         "memory / device",
     ]
     rows = table(title, columns)
-    overhead = {
+    overhead = {  # lwjax Muon's over each other contender, Megatron's Muon's over its Adam
         (r["dp"], name): value
         for r in records
-        if r["contender"] == muon
-        for name, value in r["muon_overhead_pct"].items()
+        for name, value in r.get("muon_overhead_pct", {}).items()
     }
     for r in records:
+        if "step_ms" not in r:  # a contender Megatron's script could not run
+            rows.add_row(r["contender"], str(r["dp"]), f"skipped: {r['skipped']}")
+            continue
         nbytes = r["compiled_bytes_per_device"]
+        if nbytes is None:
+            nbytes = r.get("peak_bytes_so_far")
         over = overhead.get((r["dp"], r["contender"]))
         rows.add_row(
             r["contender"],
@@ -226,8 +230,9 @@ def print_train_bench(records: Sequence[dict], muon: str) -> None:
     out.print(rows)
     out.print(
         "[dim]optimizer ms: step ms minus forward+backward's; Muon overhead: lwjax Muon's step "
-        "time over this row's, minus 1; memory: XLA's estimate for the compiled step "
-        "(arguments + outputs - donated + temporaries).[/]"
+        "time over this row's, minus 1 (Megatron's rows: Megatron's Muon over its Adam); "
+        "memory: XLA's estimate for the compiled step "
+        "(arguments + outputs - donated + temporaries), Megatron's measured peak.[/]"
     )
 
 

@@ -74,6 +74,14 @@ MUON_OPTAX_PER_DEVICE = "lwjax Muon, optax form (lwjax.value_and_grad)"
 FORWARD_BACKWARD = "forward+backward"
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)  # and, with optax_form, the next two
+# docs/scripts/megatron_train_bench.py's contenders, as the records name them.
+MEGATRON_CONTENDERS = {
+    "muon": "Megatron-Core Muon (layer-wise)",
+    "muon_overlap": "Megatron-Core Muon (layer-wise), overlapped",
+    "adam": "Megatron-Core Adam (distributed)",
+    "adam_overlap": "Megatron-Core Adam (distributed), overlapped",
+    "fwd_bwd": "Megatron-Core forward+backward",
+}
 OPTAX_FORM_CONTENDERS = (MUON_OPTAX, MUON_OPTAX_PER_DEVICE)
 
 # (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the
@@ -137,6 +145,11 @@ class TrainBenchConfig:
       peak_flops: Peak FLOP/s of one device for MFU; ``None``: by device kind
         (:data:`PEAK_BF16_FLOPS`), and no MFU for unknown kinds (CPU).
       seed: Seed of the initial parameters and tokens.
+      megatron_script: Also time Megatron-Core's own training step with this
+        script (``docs/scripts/megatron_train_bench.py``; GPU host with
+        megatron-core installed): Muon and Adam, each without and with
+        ``--overlap-grad-reduce --overlap-param-gather``, and forward+backward
+        alone, on the same shapes and dp size.
     """
 
     workload: str = "small"
@@ -161,6 +174,7 @@ class TrainBenchConfig:
     optax_form: bool = False
     peak_flops: float | None = None
     seed: int = 0
+    megatron_script: str | None = None
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -457,9 +471,16 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       recomputed its directions), and the settings (``warmup``: the untimed
       calls each contender made first). The Muon
       record adds ``muon_overhead_pct``: per other contender,
-      :math:`100\\,(t_\\text{Muon} / t - 1)`.
+      :math:`100\\,(t_\\text{Muon} / t - 1)`. With ``megatron_script``,
+      Megatron-Core's contenders follow each dp size's (:func:`megatron_train_records`,
+      run before JAX starts, which then holds most of each GPU's memory).
     """
     model = cfg.model()
+    # Megatron first: once JAX starts, XLA holds most of each GPU's memory (75% by default).
+    megatron = {
+        dp: megatron_train_records(cfg, dp, dp * cfg.micro_batch * cfg.seq_len)
+        for dp in (cfg.dp_sizes if cfg.megatron_script else ())
+    }
     devices = jax.devices()
     numel = sum(math.prod(s) for s in model.param_shapes().values())
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
@@ -517,4 +538,76 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             if name in rows:  # the optax form against make_train_step's per-device step
                 rows[name]["vs_lwjax_step_pct"] = 100 * (rows[name]["step_ms"] / muon_ms - 1)
         records += rows.values()
+        for r in megatron.get(dp, ()):
+            seconds = r.get("step_ms", 0) / 1e3
+            mfu = tokens * flops_per_token / (seconds * dp * peak) if peak and seconds else None
+            records.append(dict(base, **r, mfu=mfu))
+    return records
+
+
+def megatron_train_records(cfg: TrainBenchConfig, dp: int, tokens: int) -> list[dict]:
+    """Megatron-Core's training step on ``dp`` GPUs (torchrun of ``cfg.megatron_script``),
+    one record per contender it ran (:data:`MEGATRON_CONTENDERS`).
+
+    ``optimizer_ms`` is against Megatron's own forward+backward, and each Muon
+    record's ``muon_overhead_pct`` against Megatron's Adam with the same overlap.
+    A contender the script skipped is reported with its reason, not dropped.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={dp}",
+        cfg.megatron_script,
+        *("--preset", cfg.workload, "--layers", str(cfg.model().num_layers)),
+        *("--seq-len", str(cfg.seq_len), "--micro-batch", str(cfg.micro_batch)),
+        *("--iters", str(cfg.iters), "--warmup", str(cfg.warmup)),
+        *("--lr", repr(cfg.learning_rate), "--weight-decay", repr(cfg.weight_decay)),
+        *("--clip-grad", repr(cfg.clip_grad or 0.0), "--ns-prec", cfg.ns_precision),
+        "--grad-reduce-in-fp32" if cfg.grad_reduce_in_fp32 else "--no-grad-reduce-in-fp32",
+        *(["--recompute"] if cfg.remat else []),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(
+            f"megatron train bench failed (rc {done.returncode}): {done.stderr[-2000:]}"
+        )
+    result = json.loads(lines[-1])
+    ran = result["contenders"]
+    floor = ran.get("fwd_bwd", {}).get("median_ms")
+    records = []
+    for key, name in MEGATRON_CONTENDERS.items():
+        r = ran.get(key)
+        if r is None:
+            continue
+        if "median_ms" not in r:
+            records.append(dict(contender=name, skipped=r.get("skipped", "no time reported")))
+            continue
+        record = dict(
+            contender=name,
+            step_ms=r["median_ms"],
+            tokens_per_s=tokens / (r["median_ms"] / 1e3),
+            compiled_bytes_per_device=None,
+            peak_bytes_so_far=r.get("peak_mem_bytes"),
+            flags=r.get("flags"),
+            megatron=result.get("config", {}).get("versions"),
+            attention=result.get("config", {}).get("attention"),
+        )
+        if r.get("skipped"):
+            record["skipped_flags"] = r["skipped"]
+        if floor and key != "fwd_bwd":
+            record["optimizer_ms"] = r["median_ms"] - floor
+        adam = ran.get(key.replace("muon", "adam"), {}).get("median_ms")
+        if key.startswith("muon") and adam:
+            record["muon_overhead_pct"] = {
+                MEGATRON_CONTENDERS[key.replace("muon", "adam")]: 100 * (r["median_ms"] / adam - 1)
+            }
+        records.append(record)
     return records

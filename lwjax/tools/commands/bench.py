@@ -23,9 +23,9 @@ TP_MODES = ("duplicated", "distributed", "blockwise")
 def _cmd_bench(args: argparse.Namespace) -> int:
     """Time lwjax's optimizer step (or, with --train-step, a training step) and its baselines."""
     if args.train_step:
-        if args.megatron or args.profile or args.grad_std is not None:
+        if args.profile or args.grad_std is not None:
             raise ValueError(
-                "--megatron, --profile and --grad-std apply to the optimizer step only; drop "
+                "--profile and --grad-std apply to the optimizer step only; drop "
                 "them with --train-step."
             )
         if (args.tp, args.tp_mode) != (1, None):
@@ -71,7 +71,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_train_step(args: argparse.Namespace) -> int:
     """``bench --train-step``: full training steps, lwjax Muon against AdamW."""
-    from lwjax.tools.train_bench import MUON, TrainBenchConfig, run_train_bench
+    from lwjax.tools.train_bench import TrainBenchConfig, run_train_bench
 
     config = TrainBenchConfig(
         workload=args.workload,
@@ -91,10 +91,11 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         pgle=args.pgle,
         baselines=args.baselines,
         optax_form=args.optax_form,
+        megatron_script=args.megatron,
     )
     records = run_train_bench(config)
     if not _emit_records(args, records):
-        print_train_bench(records, MUON)
+        print_train_bench(records)
     return 0
 
 
@@ -204,8 +205,10 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--megatron",
         default=None,
-        metavar="megatron_bench.py",
-        help="also time Megatron-Core with this script (GPU host with megatron-core installed)",
+        metavar="SCRIPT",
+        help="also time Megatron-Core with this script on the same GPUs (megatron-core "
+        "installed): docs/scripts/megatron_bench.py for the optimizer step, "
+        "docs/scripts/megatron_train_bench.py with --train-step",
     )
     p.add_argument(
         "--profile",
