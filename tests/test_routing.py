@@ -13,6 +13,7 @@ from lwjax.routing import (
     is_embedding_or_output,
     param_specs,
     path_name,
+    role,
     route_leaves,
     routing_table,
 )
@@ -366,3 +367,61 @@ def test_review_cases_stacks_experts_mesh_axis_names_and_repeated_axes():
         ]
     )
     assert [r.stack_dims for r in scanned_moe] == [2, 2, 1]
+
+
+def test_role_names_a_parameter_the_same_in_every_layer():
+    assert (
+        role("decoder/layers/3/mlp/linear_fc1/weight") == "decoder/layers/#/mlp/linear_fc#/weight"
+    )
+    assert role("layers_12/attn/kernel") == role("layers_0/attn/kernel") == "layers_#/attn/kernel"
+    assert role("decoder/layers/linear_qkv/weight[3]") == "decoder/layers/linear_qkv/weight[#]"
+
+
+@pytest.mark.parametrize("workload,dp", [("small", 4), ("1b", 2)])
+def test_a_model_with_a_leaf_per_layer_is_laid_out_as_with_stacked_layers(workload, dp):
+    """The same GPT with its layers stacked and with one leaf per layer (a list, as flax
+    examples and HF Flax models hold them): the same buffers, buckets and slot groups, so
+    Newton–Schulz is batched the same way. In layer order the 1b model at dp 2 had 62 slot
+    groups of one matrix each, against 19 stacked."""
+    from lwjax import LayoutConfig
+    from lwjax.optimizer import plan_params
+    from lwjax.plan import MeshAxes
+    from lwjax.tools.bench import workload_config, workload_shapes
+
+    config = workload_config(workload)
+    stacked = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16),
+        workload_shapes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    listed = dict(stacked, decoder=dict(stacked["decoder"]))
+    listed["decoder"]["layers"] = [
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked["decoder"]["layers"]
+        )
+        for _ in range(config.num_layers)
+    ]
+    rules = config.routing_rules()
+    plans = [
+        plan_params(
+            tree,
+            MeshAxes("dp", dp_size=dp),
+            LayoutConfig(bucket_size="auto"),
+            rules if tree is stacked else RoutingRules(qkv_split=rules.qkv_split),
+            matrix_convention="out_in",
+        )
+        for tree in (stacked, listed)
+    ]
+    assert sum(r.is_muon for r in plans[1].routes) == 4 * config.num_layers
+
+    def geometry(plan):
+        return [
+            (b.key, b.shard_sizes, [(g.bucket, g.shape, g.width) for g in b.slot_groups])
+            for b in plan.buffers
+        ]
+
+    assert geometry(plans[0]) == geometry(plans[1])
+    # In the listed model the norms (not Muon) keep their places between the layers' matrices.
+    specs = param_specs(plans[1].routes)
+    names = [s.name for s in specs if not s.is_muon]
+    assert names == [r.path for r in plans[1].routes if not r.is_muon]
