@@ -401,7 +401,7 @@ def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the
     # fp32 master and momentum per Muon element (the stacked matrices), master and two Adam
     # moments per other element; a split leaf's share halves.
     shapes = config.param_shapes()
-    specs = bench.keys_from_tree(bench.gpt_tensor_specs(config))
+    specs = bench.keys_from_tree(config.tensor_specs())
     per_element = {k: (8 if len(s) == 3 else 12) * int(np.prod(s)) for k, s in shapes.items()}
     split = sum(v for k, v in per_element.items() if len(specs[k]))
     assert 0 < split < sum(per_element.values())  # the norms stay whole

@@ -152,14 +152,16 @@ class MegatronImport:
         else:
             learning_rate, weight_decay = schedule.learning_rate, schedule.weight_decay
         tp = int(self.source.get("tp") or 1)
-        if self.muon and tp > 1 and options["muon_tp_mode"] == "blockwise":
+        blockwise = options["muon_tp_mode"] == "blockwise" and "muon" not in overrides
+        if self.muon and tp > 1 and blockwise:
             warnings.warn(
                 f"muon_tp_mode='blockwise' at tensor_model_parallel_size={tp}: Megatron "
                 "orthogonalised each tensor-parallel block of a matrix separately. The "
                 "converted parameters are whole matrices: without tensor parallelism (or at "
-                "another size) each is one block, so the continued run follows a different "
-                "update rule. Pass muon=MuonConfig(tp_mode='duplicated') for the whole "
-                "matrix's update (Megatron-LM main's default).",
+                "another size) each is one block, and lwjax's contiguous linear_fc1 blocks "
+                "are not Megatron's interleaved [gate_r; up_r] ones, so the continued run "
+                "follows a different update rule. Pass muon=MuonConfig(tp_mode='duplicated') "
+                "for the whole matrix's update (Megatron-LM main's default).",
                 stacklevel=2,
             )
         clip = options["clip_grad"]
@@ -257,24 +259,50 @@ class MegatronImport:
             ]
         return "\n".join(lines)
 
-    def optimizer(self, mesh, **overrides):
-        """A :func:`~lwjax.optimizer.layerwise_muon` for these parameters on ``mesh``."""
-        from lwjax.optimizer import layerwise_muon
+    def optimizer(self, mesh, *, tensor_axis: str | None = None, **overrides):
+        """A :func:`~lwjax.optimizer.layerwise_muon` for these parameters on ``mesh``.
 
-        return layerwise_muon(self.params, mesh, **self.optimizer_kwargs(**overrides))
-
-    def state(self, optimizer):
-        """``(params, state)`` on ``optimizer``'s mesh: replicated parameters and the packed
-        optimizer state.
+        With ``tensor_axis`` (a mesh axis), the parameters are split over it as
+        Megatron-Core splits them (:meth:`GPTConfig.tensor_specs`), at any
+        tensor-parallel size that divides them, and Muon orthogonalises a split
+        matrix as the run's ``muon_tp_mode`` says (``muon=`` overrides it).
+        ``overrides`` are :meth:`optimizer_kwargs`'s.
         """
         import jax
         from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
+
+        from lwjax.optimizer import layerwise_muon
+
+        params = self.params
+        if tensor_axis is not None:
+            if tensor_axis not in mesh.axis_names:
+                raise ValueError(
+                    f"MegatronImport.optimizer: tensor_axis={tensor_axis!r} is not an axis of "
+                    f"the mesh {dict(mesh.shape)}."
+                )
+            params = jax.tree.map(
+                lambda x, spec: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+                ),
+                self.params,
+                self.config.tensor_specs(tensor_axis),
+            )
+        kwargs = self.optimizer_kwargs(**overrides)
+        return layerwise_muon(params, mesh, tensor_axis=tensor_axis, **kwargs)
+
+    def state(self, optimizer):
+        """``(params, state)`` on ``optimizer``'s mesh: the parameters placed as the optimizer
+        holds them (whole, or split over its tensor-parallel axis) and the packed optimizer
+        state.
+        """
+        import jax
 
         from lwjax.logical import from_logical
 
-        params = jax.device_put(self.params, NamedSharding(optimizer.mesh, P()))
-        return params, from_logical(optimizer, self.logical)
+        shardings = optimizer.leaf_shardings()
+        flat, treedef = jax.tree_util.tree_flatten(self.params)
+        placed = [jax.device_put(x, shardings[r.path]) for x, r in zip(flat, optimizer.plan.routes)]
+        return jax.tree_util.tree_unflatten(treedef, placed), from_logical(optimizer, self.logical)
 
 
 def _gpt_config(

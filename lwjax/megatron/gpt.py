@@ -128,6 +128,35 @@ class GPTConfig:
             shapes["output_layer.weight"] = (V, H)
         return shapes
 
+    def tensor_specs(self, axis: str = "tp") -> dict:
+        """Megatron-Core's tensor-parallel split of the parameters, as a ``PartitionSpec`` tree.
+
+        The column-parallel ``linear_qkv`` and ``linear_fc1`` are split on their
+        output rows (axis 1 of ``[L, out, in]``), the row-parallel
+        ``linear_proj`` and ``linear_fc2`` on their input columns (axis 2), the
+        vocabulary-parallel word embedding and output layer on the vocabulary
+        (axis 0); the norms are whole (``P()``). Each device holds a contiguous
+        block: Megatron's SwiGLU ``linear_fc1`` interleaves gate and up rows per
+        rank instead (stride 2), a row permutation of the same block shapes.
+        The whole-matrix Muon modes (``duplicated``, ``distributed``) do not
+        see it; ``blockwise`` orthogonalises other ``linear_fc1`` blocks than
+        Megatron does.
+
+        Use it with :func:`lwjax.layerwise_muon`'s ``tensor_axis=axis``.
+        """
+        from jax.sharding import PartitionSpec as P  # here: the tree itself needs no jax
+
+        rows, columns, vocabulary = P(None, axis), P(None, None, axis), P(axis)
+        split = {
+            "embedding.word_embeddings.weight": vocabulary,
+            "decoder.layers.self_attention.linear_qkv.weight": rows,
+            "decoder.layers.self_attention.linear_proj.weight": columns,
+            "decoder.layers.mlp.linear_fc1.weight": rows,
+            "decoder.layers.mlp.linear_fc2.weight": columns,
+            "output_layer.weight": vocabulary,
+        }
+        return tree_from_keys({key: split.get(key, P()) for key in self.param_shapes()})
+
     @classmethod
     def from_megatron(
         cls, shapes: Mapping[str, tuple[int, ...]], args: Mapping[str, Any]

@@ -13,10 +13,10 @@ synchronised. Both contenders run in the same process on the same devices:
 
 With tensor parallelism (``BenchConfig.tp > 1``) the devices form a ``dp x tp``
 mesh and the parameters are split over ``tp`` as Megatron-Core splits them
-(:func:`gpt_tensor_specs`); lwjax runs with ``tensor_axis="tp"``, Megatron-Core
-with ``tensor_model_parallel_size=tp``, both in ``BenchConfig.tp_mode``. The
-no-overlap floor and the replicated optax baseline are not measured there
-(the record says so).
+(:meth:`~lwjax.megatron.gpt.GPTConfig.tensor_specs`); lwjax runs with
+``tensor_axis="tp"``, Megatron-Core with ``tensor_model_parallel_size=tp``, both in
+``BenchConfig.tp_mode``. The no-overlap floor and the replicated optax baseline are
+not measured there (the record says so).
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ class BenchConfig:
         and 1b workloads at dp ≥ 2, as in most steps of a pretraining run.
       pipeline_muon: lwjax's ``OptimizerConfig.pipeline_muon``.
       tp: Tensor-parallel size: each dp size runs on ``dp * tp`` devices, the
-        parameters split over ``tp`` by :func:`gpt_tensor_specs`. At ``tp > 1``
-        the floor and the optax baseline are skipped (named in the record).
+        parameters split over ``tp`` by
+        :meth:`~lwjax.megatron.gpt.GPTConfig.tensor_specs`. At ``tp > 1`` the floor
+        and the optax baseline are skipped (named in the record).
       tp_mode: How a split Muon matrix is orthogonalised
         (``MuonConfig.tp_mode``, Megatron's ``--muon-tp-mode``; passed to both).
     """
@@ -162,38 +163,13 @@ def workload_shapes(config: GPTConfig) -> dict:
     return tree_from_keys(config.param_shapes())
 
 
-def gpt_tensor_specs(config: GPTConfig, axis: str = "tp") -> dict:
-    """Megatron-Core's tensor-parallel split of the GPT's parameters: a ``PartitionSpec`` tree.
-
-    The tree of :func:`workload_shapes` (layers stacked on axis 0, ``[out, in]``):
-    the column-parallel ``linear_qkv`` and ``linear_fc1`` split on their output
-    rows (axis 1 of ``[L, out, in]``), the row-parallel ``linear_proj`` and
-    ``linear_fc2`` on their input columns (axis 2), the vocabulary-parallel word
-    embedding and output layer on the vocabulary (axis 0); the norms whole
-    (``P()``). Each device holds a contiguous block: Megatron's SwiGLU
-    ``linear_fc1`` interleaves gate and up rows per rank instead (stride 2), a
-    row permutation of the same block shapes, which the optimizer's cost and
-    Newton–Schulz do not see.
-    """
-    rows, columns, vocabulary = P(None, axis), P(None, None, axis), P(axis)
-    split = {
-        "embedding.word_embeddings.weight": vocabulary,
-        "decoder.layers.self_attention.linear_qkv.weight": rows,
-        "decoder.layers.self_attention.linear_proj.weight": columns,
-        "decoder.layers.mlp.linear_fc1.weight": rows,
-        "decoder.layers.mlp.linear_fc2.weight": columns,
-        "output_layer.weight": vocabulary,
-    }
-    return tree_from_keys({key: split.get(key, P()) for key in config.param_shapes()})
-
-
 def _check_tensor_split(config: GPTConfig, tp: int) -> None:
     """Raise if a split axis of the GPT does not divide by ``tp`` (or splits a query group)."""
     if config.num_query_groups % tp:
         raise ValueError(
             f"BenchConfig.tp: tp={tp} does not divide the {config.num_query_groups} query groups."
         )
-    specs = keys_from_tree(gpt_tensor_specs(config))
+    specs = keys_from_tree(config.tensor_specs())
     for key, shape in config.param_shapes().items():
         for dim, entry in enumerate(specs[key]):
             if entry is not None and shape[dim] % tp:
@@ -282,7 +258,7 @@ def workload_optimizer(
     With ``muon=False`` every leaf goes to the elementwise Adam (ZeRO-1 AdamW:
     the same reduce-scatter, clip and all-gather, no Newton–Schulz). With
     ``tensor_axis``, leaves whose shardings name it are split over it
-    (:func:`gpt_tensor_specs`) and orthogonalised as ``tp_mode`` says.
+    (:meth:`~lwjax.megatron.gpt.GPTConfig.tensor_specs`) and orthogonalised as ``tp_mode`` says.
     """
     return layerwise_muon(
         params,
@@ -317,7 +293,7 @@ def _local_grads(shapes, mesh, dtype, std, specs=None):
     """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over dp.
 
     Every data-parallel device's gradients differ. With ``specs``
-    (:func:`gpt_tensor_specs`) each leaf is also split as its spec says
+    (:meth:`~lwjax.megatron.gpt.GPTConfig.tensor_specs`) each leaf is also split as its spec says
     (``P("dp", *spec)``); a leaf it leaves whole has the same gradient on every
     tensor-parallel device, as backward gives it.
     """
@@ -374,7 +350,7 @@ def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
     shapes = workload_shapes(config)
     tensor_parallel = "tp" in mesh.axis_names
-    specs = gpt_tensor_specs(config) if tensor_parallel else None
+    specs = config.tensor_specs() if tensor_parallel else None
     params = _params(shapes, mesh, dtype, specs)
     opt = workload_optimizer(
         params,
