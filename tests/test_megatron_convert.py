@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from lwjax import checkpoint
 from lwjax.logical import to_logical
@@ -242,6 +243,7 @@ def test_import_continues_with_tensor_parallelism_as_without():
     muon = dataclasses.replace(muon, fp32_matmul_prec="highest")
     devices = np.array(jax.devices()[:4])
     grid = Mesh(devices.reshape(2, 2), ("dp", "tp"))
+    specs = jax.tree.leaves(imported.config.tensor_specs("tp"), is_leaf=lambda x: isinstance(x, P))
     grad_fn = jax.jit(jax.grad(functools.partial(gpt_loss, config=imported.config)))
     rng = np.random.default_rng(0)
     grads_per_step = []
@@ -255,6 +257,8 @@ def test_import_continues_with_tensor_parallelism_as_without():
         opt = imported.optimizer(mesh, tensor_axis=tensor_axis, muon=config)
         update = jax.jit(opt.update)
         params, state = imported.state(opt)
+        placed = [x.sharding.spec for x in jax.tree.leaves(params)]
+        assert placed == (specs if tensor_axis else [P()] * len(specs))
         for grads in grads_per_step:  # placed as the parameters are
             grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, params)
             updates, state = update(grads, state, params)
@@ -277,13 +281,12 @@ def test_import_continues_with_tensor_parallelism_as_without():
     moved = largest(b, imported.logical.masters)
     assert largest(a, b) <= 1e-5 * moved
     assert largest(c, b) >= 0.1 * moved  # another update rule
-    specs = jax.tree.leaves(
-        imported.config.tensor_specs("tp"),
-        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-    )
     assert [x.sharding.spec for x in jax.tree.leaves(params)] == specs
     with pytest.raises(ValueError, match="tensor_axis='mp' is not an axis of the mesh"):
         imported.optimizer(grid, tensor_axis="mp", muon=muon)
+    other = megatron_to_logical(read_megatron(FIXTURES / "tied_adam_ws1"))  # no output layer
+    with pytest.raises(ValueError, match="built for another parameter tree"):
+        other.state(opt)
 
 
 def test_megatron_to_lwjax_checkpoint_restores_with_the_standard_restore(tmp_path):

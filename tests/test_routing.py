@@ -425,3 +425,23 @@ def test_a_model_with_a_leaf_per_layer_is_laid_out_as_with_stacked_layers(worklo
     specs = param_specs(plans[1].routes)
     names = [s.name for s in specs if not s.is_muon]
     assert names == [r.path for r in plans[1].routes if not r.is_muon]
+
+
+def test_by_role_orders_a_roles_matrices_by_layer_number_and_keeps_the_rest_in_place():
+    """Flattening a dict puts ``layers_10`` before ``layers_2``; the layout takes the layers
+    in number order, as a stack holds them. A norm between them keeps its place."""
+    from lwjax.layout import ParamSpec
+    from lwjax.routing import by_role
+
+    names = [f"layers_{i}/mlp/kernel" for i in (0, 1, 10, 11, 2)]
+    specs = [ParamSpec(n, (8, 8), is_muon=True) for n in names]
+    specs.insert(2, ParamSpec("final_norm/scale", (8,)))
+    out = [s.name for s in by_role(specs)]
+    assert out == [
+        "layers_0/mlp/kernel",
+        "layers_1/mlp/kernel",
+        "final_norm/scale",
+        "layers_2/mlp/kernel",
+        "layers_10/mlp/kernel",
+        "layers_11/mlp/kernel",
+    ]

@@ -368,7 +368,12 @@ def test_megatron_training_step_records_come_from_the_script_it_ran(tmp_path, ca
     script = tmp_path / "megatron_train_bench.py"
     script.write_text(FAKE_MEGATRON)
     cfg = dataclasses.replace(
-        CFG, workload="1b", layers=2, clip_grad=0.5, megatron_script=str(script)
+        CFG,
+        workload="1b",
+        layers=2,
+        clip_grad=0.5,
+        param_dtype="bfloat16",
+        megatron_script=str(script),
     )
     tokens = 2 * cfg.micro_batch * cfg.seq_len
     records = {r["contender"]: r for r in tb.megatron_train_records(cfg, 2, tokens)}
@@ -394,6 +399,9 @@ def test_megatron_training_step_records_come_from_the_script_it_ran(tmp_path, ca
     assert records[names["adam_overlap"]]["optimizer_ms"] == pytest.approx(5.0)
     assert "optimizer_ms" not in records[names["fwd_bwd"]]
     assert "not in this release" in records[names["muon_overlap"]]["skipped"]
+    assert records[names["adam"]]["measured_peak_bytes"] == 7
+    with pytest.raises(ValueError, match="1b and 8b workloads in bfloat16 only"):
+        dataclasses.replace(cfg, param_dtype="float32")
     base = dict(workload="1b", layers=2, params=1, micro_batch=2, seq_len=16, remat=False)
     base.update(param_dtype="bfloat16", device="cpu", jax=jax.__version__, dp=2, mfu=None)
     lwjax_muon = dict(base, contender=tb.MUON, step_ms=120.0, tokens_per_s=1.0)

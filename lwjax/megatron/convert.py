@@ -301,6 +301,11 @@ class MegatronImport:
 
         shardings = optimizer.leaf_shardings()
         flat, treedef = jax.tree_util.tree_flatten(self.params)
+        if treedef != optimizer.plan.treedef:
+            raise ValueError(
+                "MegatronImport.state: the optimizer was built for another parameter tree; "
+                "build it with MegatronImport.optimizer."
+            )
         placed = [jax.device_put(x, shardings[r.path]) for x, r in zip(flat, optimizer.plan.routes)]
         return jax.tree_util.tree_unflatten(treedef, placed), from_logical(optimizer, self.logical)
 

@@ -425,7 +425,7 @@ def _union(intervals):
     return total
 
 
-def profile_steps(fn, args, steps: int, directory: str) -> dict:
+def profile_steps(fn, args, steps: int, directory: str) -> tuple[dict, tuple]:
     """Trace ``steps`` calls of ``args = fn(*args)`` and summarise device 0's kernels per step.
 
     Returns the summary and the last ``args`` (``fn`` may donate the ones it

@@ -212,9 +212,7 @@ def print_train_bench(records: Sequence[dict]) -> None:
         if "step_ms" not in r:  # a contender Megatron's script could not run
             rows.add_row(r["contender"], str(r["dp"]), f"skipped: {r['skipped']}")
             continue
-        nbytes = r["compiled_bytes_per_device"]
-        if nbytes is None:
-            nbytes = r.get("peak_bytes_so_far")
+        nbytes = r.get("measured_peak_bytes", r["compiled_bytes_per_device"])
         over = overhead.get((r["dp"], r["contender"]))
         rows.add_row(
             r["contender"],

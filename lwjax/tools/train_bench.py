@@ -186,6 +186,14 @@ class TrainBenchConfig:
             raise ValueError(
                 f"TrainBenchConfig.dp_sizes must be positive integers; got {self.dp_sizes!r}."
             )
+        if self.megatron_script and (
+            self.workload not in ("1b", "8b") or self.param_dtype != "bfloat16"
+        ):
+            raise ValueError(
+                "TrainBenchConfig.megatron_script: Megatron's training step runs the 1b and 8b "
+                f"workloads in bfloat16 only; got workload={self.workload!r}, "
+                f"param_dtype={self.param_dtype!r}."
+            )
         seq_len, micro_batch = TRAIN_DEFAULTS[self.workload]
         object.__setattr__(self, "seq_len", self.seq_len if self.seq_len is not None else seq_len)
         object.__setattr__(
@@ -595,13 +603,14 @@ def megatron_train_records(cfg: TrainBenchConfig, dp: int, tokens: int) -> list[
             step_ms=r["median_ms"],
             tokens_per_s=tokens / (r["median_ms"] / 1e3),
             compiled_bytes_per_device=None,
-            peak_bytes_so_far=r.get("peak_mem_bytes"),
+            measured_peak_bytes=r.get("peak_mem_bytes"),
             flags=r.get("flags"),
             megatron=result.get("config", {}).get("versions"),
             attention=result.get("config", {}).get("attention"),
         )
-        if r.get("skipped"):
+        if r.get("skipped"):  # flags it ran without: named in the table too
             record["skipped_flags"] = r["skipped"]
+            record["contender"] = f"{name} (without {', '.join(map(str, r['skipped']))})"
         if floor and key != "fwd_bwd":
             record["optimizer_ms"] = r["median_ms"] - floor
         adam = ran.get(key.replace("muon", "adam"), {}).get("median_ms")
