@@ -274,6 +274,19 @@ def ns_flops_tp(m, n, steps, tp, partition_dim, mode):
     return steps * (4 * gram * gram * local + 2 * gram**3)
 
 
+def package_versions():
+    """torch's version, and megatron-core's and emerging_optimizers' where installed."""
+    import torch
+
+    out = {"torch": torch.__version__}
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        out["megatron_core"] = version("megatron-core")
+        out["emerging_optimizers"] = version("emerging-optimizers")
+    return out
+
+
 def single_rank_env():
     """Outside torchrun (plain ``python script.py``), the environment of a world of one."""
     if "RANK" not in os.environ:
@@ -363,16 +376,7 @@ def main():
     from megatron.core.transformer.module import Float16Module
     from megatron.core.utils import get_pg_size
 
-    try:
-        from importlib.metadata import version as _v
-
-        versions = {
-            "megatron_core": _v("megatron-core"),
-            "emerging_optimizers": _v("emerging-optimizers"),
-            "torch": torch.__version__,
-        }
-    except Exception:  # noqa: BLE001
-        versions = {"torch": torch.__version__}
+    versions = package_versions()
     for name in ("megatron", "emerging_optimizers"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -171,19 +171,6 @@ def cpu_rng_patches():
     random._set_cuda_rng_state = lambda *x, **k: None
 
 
-def versions():
-    """torch, megatron-core and emerging_optimizers versions."""
-    import torch
-
-    out = {"torch": torch.__version__}
-    with contextlib.suppress(Exception):
-        from importlib.metadata import version
-
-        out["megatron_core"] = version("megatron-core")
-        out["emerging_optimizers"] = version("emerging-optimizers")
-    return out
-
-
 def layerwise_overlap_param_gather():
     """(supported, evidence): does LayerWiseDistributedOptimizer defer its param all-gather
     to DDP's forward pre-hooks when OptimizerConfig.overlap_param_gather is set?"""
@@ -744,7 +731,7 @@ def main():
                 "iters": a.iters,
                 "warmup": a.warmup,
                 "seed": a.seed,
-                "versions": versions(),
+                "versions": MB.package_versions(),
                 "device": torch.cuda.get_device_name() if on_gpu else "cpu",
                 "backend": dist.get_backend(),
                 "layerwise_overlap_param_gather": {

@@ -636,6 +636,31 @@ TP_BASELINE_SKIPPED = (
 )
 
 
+def run_torch_script(script: str, nproc: int, args: list[str], timeout: int) -> dict:
+    """Run ``script`` under torchrun on ``nproc`` processes and return the JSON object of the
+    last stdout line that starts with ``{`` (the Megatron scripts' result).
+
+    ``OUT`` is removed from the environment, so the script writes no file of its own.
+
+    Raises:
+      RuntimeError: the script failed or printed no JSON line (its stderr's end attached).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", script]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(
+            f"{os.path.basename(script)} failed (rc {done.returncode}): {done.stderr[-2000:]}"
+        )
+    return json.loads(lines[-1])
+
+
 def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
     """Run Megatron-Core's layer-wise Muon on ``dp * cfg.tp`` GPUs (torchrun) and read its
     JSON line.
@@ -644,23 +669,13 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
     in ``shared/perf`` has no tensor parallelism) gets ``--tp`` and
     ``--muon-tp-mode``; at tp 1 neither, so either script runs it.
     """
-    import json
-    import os
-    import subprocess
-    import sys
-
     if cfg.workload not in ("8b", "1b"):
         raise ValueError(
             "BenchConfig.megatron_script: Megatron runs the 8b and 1b workloads only; "
             f"got {cfg.workload!r}."
         )
     layers = workload_config(cfg.workload, cfg.layers).num_layers
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={dp * cfg.tp}",
-        cfg.megatron_script,
+    args = [
         "--preset",
         cfg.workload,
         "--layers",
@@ -675,15 +690,10 @@ def _bench_megatron(cfg: BenchConfig, dp: int) -> dict:
         repr(cfg.grad_std),
     ]
     if not cfg.grad_reduce_in_fp32:
-        cmd.append("--no-grad-reduce-in-fp32")
+        args.append("--no-grad-reduce-in-fp32")
     if cfg.tp > 1:
-        cmd += ["--tp", str(cfg.tp), "--muon-tp-mode", cfg.tp_mode]
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"megatron bench failed (rc {done.returncode}): {done.stderr[-2000:]}")
-    result = json.loads(lines[-1])
+        args += ["--tp", str(cfg.tp), "--muon-tp-mode", cfg.tp_mode]
+    result = run_torch_script(cfg.megatron_script, dp * cfg.tp, args, timeout=900)
     if cfg.tp > 1 and result.get("tp_size") != cfg.tp:
         raise RuntimeError(
             f"megatron bench: asked for tp={cfg.tp}, the script ran tp={result.get('tp_size')} "

@@ -58,6 +58,7 @@ from lwjax.tools.bench import (
     WARMUP_STEPS,
     WORKLOADS,
     pgle,
+    run_torch_script,
     time_steps,
     warmup_calls,
     workload_config,
@@ -561,17 +562,7 @@ def megatron_train_records(cfg: TrainBenchConfig, dp: int, tokens: int) -> list[
     record's ``muon_overhead_pct`` against Megatron's Adam with the same overlap.
     A contender the script skipped is reported with its reason, not dropped.
     """
-    import json
-    import os
-    import subprocess
-    import sys
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={dp}",
-        cfg.megatron_script,
+    args = [
         *("--preset", cfg.workload, "--layers", str(cfg.model().num_layers)),
         *("--seq-len", str(cfg.seq_len), "--micro-batch", str(cfg.micro_batch)),
         *("--iters", str(cfg.iters), "--warmup", str(cfg.warmup)),
@@ -580,14 +571,7 @@ def megatron_train_records(cfg: TrainBenchConfig, dp: int, tokens: int) -> list[
         "--grad-reduce-in-fp32" if cfg.grad_reduce_in_fp32 else "--no-grad-reduce-in-fp32",
         *(["--recompute"] if cfg.remat else []),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        raise RuntimeError(
-            f"megatron train bench failed (rc {done.returncode}): {done.stderr[-2000:]}"
-        )
-    result = json.loads(lines[-1])
+    result = run_torch_script(cfg.megatron_script, dp, args, timeout=1800)
     ran = result["contenders"]
     floor = ran.get("fwd_bwd", {}).get("median_ms")
     records = []
