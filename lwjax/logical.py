@@ -70,7 +70,7 @@ def _unpack_global(optimizer: LayerwiseOptimizer, buffers, dtypes):
     """
     plan = optimizer.plan
     sizes = plan.axes.tp_sizes
-    if not sizes:
+    if not sizes or all(x is None for x in buffers):  # nothing to map over (no Muon momenta)
         return _unpack_group(optimizer, buffers, dtypes)
     per_device = [None if x is None else tuple(b.reshape(*sizes, -1) for b in x) for x in buffers]
     blocks = _over_devices(lambda bufs: _unpack_group(optimizer, bufs, dtypes), len(sizes))(
@@ -84,7 +84,7 @@ def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
     """Inverse of :func:`_unpack_global`: global (logical) leaves into each bucket's state array."""
     plan = optimizer.plan
     sizes = plan.axes.tp_sizes
-    if not sizes:
+    if not sizes or all(x is None for x in _leaves(tree)):
         return _pack_group(optimizer, tree, dtypes)
     blocks = [None if x is None else _cut(x, r, sizes) for x, r in zip(_leaves(tree), plan.routes)]
     per_device = _over_devices(lambda t: _pack_group(optimizer, t, dtypes), len(sizes))(

@@ -462,10 +462,16 @@ def axis_names(leaf) -> tuple[str | None, ...] | None:
     return None
 
 
+# A bucket closes once it holds this many elements: below MAX_BUCKET_ELEMENTS (int32
+# offsets) with any parameter smaller than it, and a bounded fp32 temporary per bucket.
+ALONE_BUCKET_SIZE = 2**30
+
+
 def resolved_layout(layout: LayoutConfig, axes: MeshAxes, muon: MuonConfig) -> LayoutConfig:
     """``layout`` with ``bucket_size="auto"`` resolved where the mesh decides it.
 
-    One bucket per buffer (``None``) when the layout spans one device and
+    Buckets of :data:`ALONE_BUCKET_SIZE` elements (one bucket per buffer up
+    to a billion elements per device) when the layout spans one device and
     ``"duplicated"`` Muon deals each slot group's matrices out over
     tensor-parallel devices: no data-parallel collective is left for buckets
     to overlap, and the deal needs many matrices of a shape in a bucket (8b
@@ -475,7 +481,7 @@ def resolved_layout(layout: LayoutConfig, axes: MeshAxes, muon: MuonConfig) -> L
     """
     alone = axes.group_size == 1 and axes.tp_size > 1 and muon.tp_mode == "duplicated"
     if layout.bucket_size == "auto" and alone:
-        return dataclasses.replace(layout, bucket_size=None)
+        return dataclasses.replace(layout, bucket_size=ALONE_BUCKET_SIZE)
     return layout
 
 

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lwjax.layout import BufferKey, FullParamLayout, PerBufferParamLayout
+from lwjax.layout import MAX_BUCKET_ELEMENTS, BufferKey, FullParamLayout, PerBufferParamLayout
 from lwjax.routing import LeafRoute
 
 if TYPE_CHECKING:
@@ -325,6 +325,15 @@ def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
     """One buffer's segments, per-rank runs and padding, and (layer-wise) slot groups."""
     dp = layout.num_shards
     sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
+    for bucket, size in enumerate(sizes):
+        if size * dp > MAX_BUCKET_ELEMENTS:
+            raise ValueError(
+                f"layout: bucket {bucket} of buffer {key} holds {size * dp:,} elements; XLA "
+                f"slices a bucket at int32 offsets, so it must hold at most "
+                f"{MAX_BUCKET_ELEMENTS:,}. Set LayoutConfig.bucket_size to split the buffer "
+                "into smaller buckets; a single parameter that large has to be split over a "
+                "tensor-parallel axis (tensor_axis)."
+            )
     segments = []
     runs = [[[] for _ in range(dp)] for _ in sizes]
     used = [[0] * dp for _ in sizes]

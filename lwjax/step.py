@@ -44,6 +44,7 @@ sum), so its sum over ``dp`` is the gradient of the global mean loss too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -518,7 +519,8 @@ def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats)
         tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
         tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
     )
-    real_numel = sum(int(np.prod(r.shape)) for r in plan.routes)
+    # A float: a model of 2**31 elements or more overflows a traced int32.
+    real_numel = float(sum(math.prod(r.shape) for r in plan.routes))
     update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.statistics) / real_numel)
     new_params = unpack(
         plan, [tuple(g) for g in gathered], dtypes=[x.dtype for x in jax.tree.leaves(params)]

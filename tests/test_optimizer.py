@@ -15,7 +15,7 @@ from reference import reference_run
 from lwjax import LayoutConfig, RoutingRules, shards
 from lwjax.layout import POLICIES
 from lwjax.muon import MuonConfig
-from lwjax.optimizer import OptimizerConfig, layerwise_muon
+from lwjax.optimizer import ALONE_BUCKET_SIZE, OptimizerConfig, layerwise_muon
 from lwjax.schedule import schedule_buckets
 from lwjax.train import make_train_step
 
@@ -866,3 +866,69 @@ def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon):
     )
     for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# Abstract parameters past int32 (nothing is allocated): two bf16 matrices of 2**30 elements.
+HUGE = {f"w{i}": jax.ShapeDtypeStruct((2**15, 2**15), jnp.bfloat16) for i in range(2)}
+
+
+def _traced_local_update(opt, params):
+    """The per-device step traced (not run) on ``params``' shapes: new params, state, metrics."""
+    state = jax.eval_shape(opt.init, params)
+    step = jax.shard_map(
+        opt.local_update,
+        mesh=opt.mesh,
+        in_specs=(opt.param_specs, opt.state_specs, opt.param_specs),
+        out_specs=(opt.param_specs, opt.state_specs, P()),
+        check_vma=False,
+    )
+    return jax.eval_shape(step, params, state, params)
+
+
+def test_a_bucket_past_int32_offsets_is_refused():
+    """XLA slices a bucket at int32 offsets: 2**31 elements in one bucket are refused, whether
+    one leaf or two; buckets of 2**30 hold the two leaves."""
+    one = {"w": jax.ShapeDtypeStruct((2**16, 2**15 + 1), jnp.bfloat16)}
+    for params, numel in [(one, "2,147,549,184"), (HUGE, "2,147,483,648")]:
+        with pytest.raises(ValueError, match=f"holds {numel} elements.*int32 offsets"):
+            layerwise_muon(params, mesh_of(1), layout=LayoutConfig(bucket_size=None))
+    opt = layerwise_muon(HUGE, mesh_of(1), layout=LayoutConfig(bucket_size=2**30))
+    assert [b.shard_sizes for b in opt.plan.buffers] == [(2**30, 2**30)]
+
+
+@pytest.mark.parametrize("pipeline_muon", [False, True])
+def test_a_step_over_more_than_2_31_elements_traces(pipeline_muon):
+    """Regression: the update RMS divided by the parameter count, an int past int32 for
+    2**31 elements, overflowed while tracing (each bucket below the int32 limit)."""
+    opt = layerwise_muon(
+        HUGE,
+        mesh_of(1),
+        config=OptimizerConfig(pipeline_muon=pipeline_muon),
+        layout=LayoutConfig(bucket_size=2**30),
+    )
+    new, _, metrics = _traced_local_update(opt, HUGE)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), new) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), HUGE
+    )
+    assert (metrics["update_rms"].shape, metrics["update_rms"].dtype) == ((), jnp.float32)
+    updates, _ = jax.eval_shape(opt.update, HUGE, jax.eval_shape(opt.init, HUGE), HUGE)
+    assert updates["w0"].shape == (2**15, 2**15)
+
+
+def test_auto_buckets_of_duplicated_muon_alone_on_its_devices_stay_under_int32():
+    """Layout on one device, duplicated tensor parallelism: ``"auto"`` buckets close at
+    ALONE_BUCKET_SIZE, so three local blocks of 2**30 elements take three buckets where one
+    bucket per buffer (``None``) is refused."""
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "tp"))
+    split = NamedSharding(mesh, P(None, "tp"))
+    params = {
+        f"w{i}": jax.ShapeDtypeStruct((2**15, 2**16), jnp.bfloat16, sharding=split)
+        for i in range(3)
+    }
+    with pytest.raises(ValueError, match="int32 offsets"):
+        layerwise_muon(params, mesh, tensor_axis="tp", layout=LayoutConfig(bucket_size=None))
+    opt = layerwise_muon(params, mesh, tensor_axis="tp")
+    assert ALONE_BUCKET_SIZE == 2**30
+    assert [b.shard_sizes for b in opt.plan.buffers] == [(ALONE_BUCKET_SIZE,) * 3]
+    _, _, metrics = _traced_local_update(opt, params)
+    assert metrics["update_rms"].shape == ()

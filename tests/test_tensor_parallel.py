@@ -542,19 +542,41 @@ def test_leaves_split_over_two_axes_match_the_unsharded_reference():
 
 
 def test_auto_buckets_are_whole_buffers_when_duplicated_muon_deals_matrices_on_one_device():
-    """``bucket_size="auto"`` is one bucket per buffer exactly where the layout spans one device
-    and duplicated Muon deals matrices out over tensor-parallel devices (measured faster there,
-    slower without tensor parallelism: ``docs/benchmarks.md``)."""
+    """``bucket_size="auto"`` is one bucket per buffer (up to ``ALONE_BUCKET_SIZE`` elements)
+    exactly where the layout spans one device and duplicated Muon deals matrices out over
+    tensor-parallel devices (measured faster there, slower without tensor parallelism:
+    ``docs/benchmarks.md``)."""
     from lwjax.layout import LayoutConfig
-    from lwjax.optimizer import resolved_layout
+    from lwjax.optimizer import ALONE_BUCKET_SIZE, resolved_layout
     from lwjax.plan import MeshAxes
 
     def bucket(dp, tp, mode="duplicated", size="auto"):
         axes = MeshAxes("dp", dp_size=dp, tp=("tp",) if tp > 1 else (), tp_sizes=(tp,) * (tp > 1))
         return resolved_layout(LayoutConfig(bucket_size=size), axes, MuonConfig(tp_mode=mode))
 
-    assert bucket(1, 2).bucket_size is None
+    assert bucket(1, 2).bucket_size == ALONE_BUCKET_SIZE
     assert bucket(2, 2).bucket_size == "auto"
     assert bucket(1, 1).bucket_size == "auto"
     assert bucket(1, 2, "distributed").bucket_size == "auto"
     assert bucket(1, 2, size=1024).bucket_size == 1024
+
+
+def test_adam_only_state_round_trips_through_logical_form_with_tensor_parallelism():
+    """An optimizer with no Muon matrix (so no momenta) and a split leaf: to_logical gives the
+    whole masters, from_logical the same state back."""
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("dp", "tp"))
+    weights = np.arange(32, dtype=np.float32).reshape(4, 8)
+    params = {"w": jax.device_put(weights, NamedSharding(mesh, P(None, "tp")))}
+    opt = lwjax.layerwise_muon(
+        params,
+        mesh,
+        tensor_axis="tp",
+        learning_rate=1e-3,
+        routing=RoutingRules(is_muon={"*": False}),
+    )
+    state = opt.init(params)
+    logical = to_logical(opt, state)
+    np.testing.assert_array_equal(np.asarray(logical.masters["w"]), weights)
+    back = from_logical(opt, logical)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
