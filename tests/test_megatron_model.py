@@ -151,3 +151,66 @@ def test_attention_resolves_and_is_checked():
     assert attention_implementation("cudnn", "float32") == "cudnn"
     with pytest.raises(ValueError, match="attention must be one of"):
         attention_implementation("flash", "float32")
+
+
+def _double(tree):
+    return jax.tree.map(lambda x: 2 * x, tree)
+
+
+def test_gather_is_applied_once_to_every_weight_norms_included():
+    """A gather that doubles its tree gives the loss of the doubled weights (the naive float64
+    reference's); it sees the non-layer weights once (``decoder.layers`` None) and then one
+    layer's weights at a time (no layer axis), all already cast to ``dtype``."""
+    params, batch = tiny_params(2), tiny_batch(seed=2)
+    want = naive_loss({k: 2 * np.asarray(v, np.float64) for k, v in params.items()}, batch, TINY)
+    seen = []
+
+    def gather(tree):
+        seen.append(jax.tree.map(lambda x: (x.shape, x.dtype), tree))
+        return _double(tree)
+
+    got = jax.jit(lambda p, b: next_token_loss(p, b, TINY, gather=gather))(
+        tree_from_keys(params), batch
+    )
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    assert abs(float(LOSS(tree_from_keys(params), batch, TINY)) - want) > 1e-2  # doubling shows
+
+    shapes = {k: (s, jnp.dtype("float32")) for k, s in TINY.param_shapes().items()}
+    layer_keys = [k for k in shapes if k.startswith("decoder.layers.")]
+    outer = tree_from_keys({k: v for k, v in shapes.items() if k not in layer_keys})
+    outer["decoder"]["layers"] = None
+    one_layer = tree_from_keys(
+        {k.removeprefix("decoder.layers."): (shapes[k][0][1:], shapes[k][1]) for k in layer_keys}
+    )
+    assert seen[0] == outer and len(seen) >= 2 and all(s == one_layer for s in seen[1:])
+
+    seen.clear()  # bf16: gathered after the cast
+    jax.eval_shape(
+        lambda p, b: next_token_loss(p, b, TINY, dtype="bfloat16", gather=gather),
+        tree_from_keys(params),
+        batch,
+    )
+    assert {
+        d for s in seen for _, d in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, tuple))
+    } == {jnp.dtype("bfloat16")}
+
+
+def test_gather_in_the_rematerialised_scan_has_the_chain_rule_gradient():
+    """With remat the gather runs again in the backward: the gradient through a doubling gather
+    is twice the gradient at the doubled weights."""
+    params, batch = tree_from_keys(tiny_params(3)), tiny_batch(seed=3)
+    grad = jax.jit(jax.value_and_grad(next_token_loss), static_argnums=2, static_argnames="remat")
+    got_loss, got = jax.jit(
+        jax.value_and_grad(lambda p, b: next_token_loss(p, b, TINY, remat=True, gather=_double))
+    )(params, batch)
+    want_loss, want = grad(_double(params), batch, TINY, remat=True)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float64), 2 * np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), path
+
+
+def test_gather_is_refused_with_megatron_numerics():
+    params, batch = tree_from_keys(tiny_params()), tiny_batch()
+    with pytest.raises(ValueError, match="gather applies to numerics='lwjax' only"):
+        next_token_loss(params, batch, TINY, numerics="megatron", gather=_double)

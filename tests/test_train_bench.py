@@ -21,6 +21,7 @@ from lwjax.optimizer import OptimizerConfig, layerwise_muon
 from lwjax.tools import train_bench as tb
 from lwjax.tools.bench import PGLE_RUNS, workload_config
 from lwjax.tools.cli import main
+from lwjax.tools.demo.devices import bytes_per_device
 
 # fp32 everywhere and fp32 Newton–Schulz, so that the dp=4 and the single-device steps agree
 # to rounding.
@@ -205,6 +206,160 @@ def test_optax_form_step_at_dp4_is_the_per_device_step(per_device, lwjax_step_at
     assert int(got_state.count) == int(want_state.count) == 1
 
 
+# Fully sharded: every parameter split over the 4 devices of an ("dp", "fsdp") = (1, 4) mesh.
+FSDP = dataclasses.replace(CFG, fsdp=True, baselines=False)
+
+
+def fsdp_mesh(devices=4):
+    return Mesh(np.array(jax.devices()[:devices]).reshape(1, devices), ("dp", tb.FSDP_AXIS))
+
+
+def _fsdp_inputs(params, batch, devices=4):
+    """The mesh, ``fsdp_specs``, a copy of ``params`` split as they say (the steps donate) and
+    ``batch`` split over both data axes."""
+    mesh = fsdp_mesh(devices)
+    specs = tb.fsdp_specs(CFG.model(), devices)
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    params = jax.device_put(jax.tree.map(np.array, params), shardings)
+    batch = jax.device_put(np.asarray(batch), NamedSharding(mesh, P(("dp", tb.FSDP_AXIS))))
+    return mesh, specs, params, batch
+
+
+def _muon_numel(config):
+    """Elements of the layers' matrices (Muon's; every other leaf is Adam's)."""
+    return sum(
+        math.prod(s)
+        for k, s in config.param_shapes().items()
+        if k.startswith("decoder.layers.") and k.endswith(".weight")
+    )
+
+
+def test_fsdp_muon_step_at_4_devices_is_the_replicated_step_at_dp4(lwjax_step_at_dp4):
+    """The same step as lwjax Muon on replicated parameters, each parameter and its state
+    left split four ways."""
+    params, batch, opt, where, want, want_state = lwjax_step_at_dp4
+    mesh, specs, split, split_batch = _fsdp_inputs(params, batch)
+    fsdp_opt = tb.lwjax_optimizer(split, mesh, FSDP)
+    assert sum(r.is_muon for r in fsdp_opt.plan.routes) == 4  # qkv, proj, fc1, fc2
+    step = tb.lwjax_step(FSDP.loss(gather=tb.fsdp_gather), fsdp_opt, fsdp=True)
+    got, got_state, loss, grad_norm = step(split, fsdp_opt.init(split), split_batch)
+
+    _assert_trees_close(got, want, 1e-5, where=where)
+    _assert_trees_close(
+        to_logical(fsdp_opt, got_state).momenta, to_logical(opt, want_state).momenta, 1e-5
+    )
+    # The full-batch loss and gradient norm (the mean over devices, not their sum).
+    batch = np.asarray(batch)
+    assert float(loss) == pytest.approx(float(jax.jit(CFG.loss())(params, batch)), rel=1e-6)
+    assert float(grad_norm) == pytest.approx(float(optax.tree.norm(_grad(params, batch))), rel=1e-5)
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0],
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+    ):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), path
+        assert {s.data.shape for s in leaf.addressable_shards} == {
+            (*leaf.shape[:-1], leaf.shape[-1] // 4)
+        }, path
+    # Per device, a quarter of fp32 parameters, fp32 masters, Muon momenta and Adam's two
+    # moments (up to the layout's padding and the step counts).
+    numel, muon = sum(x.size for x in jax.tree.leaves(params)), _muon_numel(CFG.model())
+    whole = 4 * (numel + numel + muon + 2 * (numel - muon))
+    assert bytes_per_device((got, got_state)) == pytest.approx(whole / 4, rel=1e-3)
+
+
+def test_fsdp_adamw_step_with_remat_is_the_zero1_step(lwjax_step_at_dp4):
+    """lwjax AdamW fully sharded, each layer gathered inside the rematerialised body, takes
+    the ZeRO-1 AdamW step at dp 4."""
+    params, batch, *_ = lwjax_step_at_dp4
+    copy = jax.tree.map(np.array, params)  # the step donates
+    want, want_state, want_norm = _one_step(tb.ADAMW_SHARDED, copy, np.asarray(batch), dp=4)
+    cfg = dataclasses.replace(FSDP, remat=True)
+    mesh, _, split, split_batch = _fsdp_inputs(params, batch)
+    opt = tb.lwjax_optimizer(split, mesh, cfg, muon=False)
+    assert not any(r.is_muon for r in opt.plan.routes)
+    step = tb.lwjax_step(cfg.loss(gather=tb.fsdp_gather), opt, fsdp=True)
+    got, got_state, _, grad_norm = step(split, opt.init(split), split_batch)
+
+    grads = _grad(params, np.asarray(batch))
+    _assert_trees_close(got, want, 1e-5, where=_adam_well_conditioned(grads))
+    # Adam's step is scale-free: the norm shows the gradient is the mean over devices.
+    assert float(grad_norm) == pytest.approx(float(want_norm), rel=1e-5)
+    assert float(grad_norm) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+    assert int(got_state.count) == 1
+    # Adam's first moment is (1 - b1) g: the mean gradient, as ZeRO-1 holds it.
+    _assert_trees_close(to_logical(opt, got_state).elementwise.mu, want_state.elementwise.mu, 1e-5)
+
+
+def test_fsdp_forward_backward_with_remat_takes_the_full_batch_loss_and_gradient(
+    lwjax_step_at_dp4,
+):
+    """forward+backward fully sharded: the loss of the replicated step at dp 4; its gradient
+    blocks sum the devices' gradients (the gather's transpose), so their squares add up to
+    ``4**2`` times the full-batch gradient's, where the replicated step adds up each device's
+    own gradient's."""
+    params, batch, *_ = lwjax_step_at_dp4
+    mesh, specs, split, split_batch = _fsdp_inputs(params, batch)
+    loss, square = tb.forward_backward_step(
+        dataclasses.replace(FSDP, remat=True).loss(gather=tb.fsdp_gather),
+        mesh,
+        axis=("dp", tb.FSDP_AXIS),
+        param_specs=specs,
+    )(split, split_batch)
+    want_loss, want_square = tb.forward_backward_step(CFG.loss(), mesh_of(4))(params, batch)
+
+    batch = np.asarray(batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    full = float(optax.tree.norm(_grad(params, batch))) ** 2
+    assert float(square) == pytest.approx(16 * full, rel=1e-5)
+    per_device = jax.jit(jax.grad(CFG.loss()))
+    own = sum(float(optax.tree.norm(per_device(params, b))) ** 2 for b in np.split(batch, 4))
+    assert float(want_square) == pytest.approx(own, rel=1e-5)
+
+
+def test_fsdp_init_params_are_init_params_split():
+    config = CFG.model()
+    mesh, specs = fsdp_mesh(4), tb.fsdp_specs(config, 4)
+    got = tb._fsdp_params(config, jax.random.key(3), "float32", mesh)
+    want = init_params(config, jax.random.key(3), "float32")
+    for (path, a), b, spec in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0],
+        jax.tree.leaves(want),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim), path
+
+
+def test_fsdp_specs_name_the_leaves_the_devices_do_not_divide():
+    # small workload: hidden 256 (every leaf but fc2's [256, 704]) and fc2's 704 = 2**6 * 11
+    with pytest.raises(ValueError, match="3 devices do not divide") as error:
+        tb.fsdp_specs(CFG.model(), 3)
+    message = str(error.value)
+    assert "decoder.layers.mlp.linear_fc2.weight (1, 256, 704)" in message
+    assert "output_layer.weight (4096, 256)" in message
+    with pytest.raises(ValueError) as error:
+        tb.fsdp_specs(CFG.model(), 128)  # 704 is not a multiple of 128; 256 is
+    assert "linear_fc2" in str(error.value) and "output_layer" not in str(error.value)
+    specs = tb.fsdp_specs(CFG.model(), 8)
+    assert specs["decoder"]["layers"]["mlp"]["linear_fc2"]["weight"] == P(None, None, "fsdp")
+    assert specs["decoder"]["final_layernorm"]["weight"] == P("fsdp")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(optax_form=True, baselines=False),
+        dict(workload="1b", baselines=False, megatron_script="x.py"),
+    ],
+)
+def test_fsdp_config_refuses_the_contenders_that_replicate_the_model(options):
+    with pytest.raises(ValueError, match="fully sharded steps only"):
+        tb.TrainBenchConfig(fsdp=True, **options)
+
+
 def test_cli_train_step_writes_bench_json(tmp_path, capsys):
     code = main(
         [
@@ -243,6 +398,38 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
         )
         assert (r["iters"], r["warmup"]) == (1, 0)
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
+
+
+def test_cli_fsdp_train_step_keeps_a_quarter_of_the_model_per_device(capsys):
+    """--train-step --fsdp at 4 devices: lwjax's fully sharded contenders only, each device
+    holding a quarter of the bf16 parameters and of the fp32 state."""
+    argv = "bench --train-step --fsdp --workload small --layers 1 --seq-len 16 --micro-batch 1"
+    argv += " --dp 4 --iters 1 --warmup 0 --no-baselines --json"
+    code = main(argv.split())
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    records = {r["contender"]: r for r in json.loads(out)}
+    assert list(records) == [tb.MUON_FSDP, tb.ADAMW_FSDP, tb.FORWARD_BACKWARD]
+    config = workload_config("small", 1)
+    numel = sum(math.prod(s) for s in config.param_shapes().values())
+    muon = _muon_numel(config)
+    for r in records.values():
+        assert (r["fsdp"], r["dp"], r["param_dtype"], r["params"]) == (True, 4, "bfloat16", numel)
+        assert r["replicated_bytes"] == numel * (2 + 4)  # bf16 parameters, fp32 gradients
+        assert r["device_bytes_limit"] is None  # no memory stats on CPU
+        assert r["collectives"]["all-gather"][1] >= numel  # every parameter gathered
+    # bf16 parameters; fp32 masters, Muon momenta and Adam's two moments: a quarter on each
+    # device (up to padding), below ZeRO-1's replicated parameters plus a quarter of the state.
+    state = 4 * (numel + muon + 2 * (numel - muon))
+    got = records[tb.MUON_FSDP]["state_bytes_per_device"]
+    assert got == pytest.approx((2 * numel + state) / 4, rel=1e-3)
+    assert got < 2 * numel + state / 4
+    got = records[tb.ADAMW_FSDP]["state_bytes_per_device"]
+    assert got == pytest.approx((2 * numel + 4 * 3 * numel) / 4, rel=1e-3)
+    assert records[tb.FORWARD_BACKWARD]["state_bytes_per_device"] == 2 * numel // 4
+    for name in (tb.MUON_FSDP, tb.ADAMW_FSDP):
+        assert math.isfinite(records[name]["loss"]) and records[name]["grad_norm"] > 0
+    assert set(records[tb.MUON_FSDP]["muon_overhead_pct"]) == {tb.ADAMW_FSDP}
 
 
 class _Recorded:
@@ -327,7 +514,15 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
     [
         (
             "bench --seq-len 16",
-            "lwjax bench: --seq-len, --micro-batch and --remat apply to --train-step only.",
+            "lwjax bench: --seq-len, --micro-batch, --remat and --fsdp apply to --train-step only.",
+        ),
+        (
+            "bench --fsdp",
+            "lwjax bench: --seq-len, --micro-batch, --remat and --fsdp apply to --train-step only.",
+        ),
+        (
+            "bench --train-step --fsdp",  # baselines on by default: they replicate the model
+            "lwjax bench: TrainBenchConfig.fsdp times lwjax's fully sharded steps only",
         ),
         (
             "bench --train-step --profile /tmp/x",
@@ -338,7 +533,13 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
             "lwjax bench: TrainBenchConfig.micro_batch must be >= 1; got 0.",
         ),
     ],
-    ids=["seq_len_without_train_step", "profile_with_train_step", "micro_batch_zero"],
+    ids=[
+        "seq_len_without_train_step",
+        "fsdp_without_train_step",
+        "fsdp_with_baselines",
+        "profile_with_train_step",
+        "micro_batch_zero",
+    ],
 )
 def test_cli_train_step_user_errors(argv, message, capsys):
     code = main(argv.split())

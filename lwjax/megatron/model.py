@@ -70,8 +70,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -417,6 +417,7 @@ def gpt_logits(
     attention: str = "auto",
     remat: bool = False,
     numerics: Literal["lwjax", "megatron"] = "lwjax",
+    gather: Callable[[Any], Any] | None = None,
 ) -> jax.Array:
     """Logits ``[batch, seq, vocab]`` (float32) of the GPT for integer ``tokens [batch, seq]``.
 
@@ -434,28 +435,40 @@ def gpt_logits(
         bf16 GPT does (see the module docstring), for losses and
         gradients that agree with a Megatron run at the same weights; the
         logits are then ``dtype`` values returned as float32.
+      gather: ``tree -> tree``, called on each layer's parameters inside the
+        scan (inside the rematerialised body with ``remat``) and on the other
+        parameters, after the cast to ``dtype`` and before their use
+        (``"lwjax"`` numerics only). Fully sharded data parallelism passes an
+        all-gather of each device's blocks inside ``shard_map``: one layer is
+        then whole at a time, and its transpose reduce-scatters the layer's
+        gradient in the backward scan.
 
     Raises:
       ValueError: an unknown ``attention`` or ``numerics``; with Megatron's
-        numerics, ``"cudnn"`` attention or a ``dtype`` other than bfloat16 or
-        float32.
+        numerics, ``"cudnn"`` attention, a ``dtype`` other than bfloat16 or
+        float32, or ``gather``.
     """
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}; got {numerics!r}.")
     if numerics == "megatron":
+        if gather is not None:
+            raise ValueError("gather applies to numerics='lwjax' only.")
         return _megatron_logits(params, tokens, config, dtype, attention, remat)
     implementation = attention_implementation(attention, dtype)
+    gather = gather or (lambda tree: tree)
     params = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), params)
+    layers = params["decoder"]["layers"]  # gathered one at a time, in the scan
+    params = gather({**params, "decoder": {**params["decoder"], "layers": None}})
     cos, sin = rope_tables(tokens.shape[1], config.head_dim, config.rotary_base)
     embedding = params["embedding"]["word_embeddings"]["weight"]
     x = embedding[tokens]
 
     def body(x, p):
-        return _layer(x, p, config, cos, sin, implementation), None
+        return _layer(x, gather(p), config, cos, sin, implementation), None
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    x, _ = lax.scan(body, x, params["decoder"]["layers"])
+    x, _ = lax.scan(body, x, layers)
     x = rms_norm(x, params["decoder"]["final_layernorm"]["weight"], config.norm_epsilon)
     output = embedding if config.tied_embeddings else params["output_layer"]["weight"]
     return jnp.einsum("bth,vh->btv", x, output, preferred_element_type=jnp.float32)

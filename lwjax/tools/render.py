@@ -190,6 +190,7 @@ def print_train_bench(records: Sequence[dict]) -> None:
         f"Training step, {first['workload']} workload ({first['layers']} layers, "
         f"{count(first['params'])} params), {first['micro_batch']} × {first['seq_len']} tokens "
         f"per device, remat {'on' if first['remat'] else 'off'}, {first['param_dtype']}, "
+        f"{'parameters fully sharded (FSDP), ' if first.get('fsdp') else ''}"
         f"on {first['device']}, jax {first['jax']}"
     )
     columns = [
@@ -232,6 +233,14 @@ def print_train_bench(records: Sequence[dict]) -> None:
         "memory: XLA's estimate for the compiled step "
         "(arguments + outputs - donated + temporaries), Megatron's measured peak.[/]"
     )
+    if first.get("fsdp"):
+        limit = first.get("device_bytes_limit")
+        out.print(
+            f"[dim]Replicated, the parameters and their fp32 gradients alone would take "
+            f"{first['replicated_bytes'] / 1e9:.2f} GB per device"
+            + (f" (XLA may allocate {limit / 1e9:.2f} GB)." if limit else ".")
+            + "[/]"
+        )
 
 
 # --------------------------------------------------------------------------- convert

@@ -29,6 +29,16 @@ parameters and optimizer state donated:
 * ``forward+backward``: loss and gradients only, no communication and no
   optimizer; each contender's ``optimizer_ms`` is its step time minus this one.
 
+Fully sharded (``fsdp``): the mesh is ``("dp", "fsdp") = (1, n)``, every
+parameter split over ``fsdp`` on its last axis (:func:`fsdp_specs`) and the
+batch over both axes. The forward all-gathers each layer just before it runs
+(:func:`fsdp_gather`, with ``remat`` again in the backward) and the backward
+reduce-scatters each layer's gradient as its turn in the scan ends; lwjax
+Muon (``tensor_axis="fsdp"``, whole matrices by ``"duplicated"``) and lwjax
+AdamW then update the blocks in place, and forward+backward is the same
+gathers and reduce-scatters without an optimizer. No contender holds a whole
+copy of the model, so none can be the replicated optax AdamW.
+
 Each is timed as the median of ``iters`` steps after ``warmup`` steps,
 synchronised with ``jax.block_until_ready``. Memory is XLA's buffer
 assignment for the compiled step; on GPU it matched the allocator's
@@ -51,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax.layout import DEFAULT_POLICY
-from lwjax.megatron.gpt import GPTConfig
+from lwjax.megatron.gpt import GPTConfig, tree_from_keys
 from lwjax.megatron.model import gpt_loss, init_params
 from lwjax.optimizer import LayerwiseOptimizer, state_shardings
 from lwjax.tools.bench import (
@@ -70,9 +80,12 @@ from lwjax.train import jit_shard_map, value_and_grad
 MUON = "lwjax Muon"
 ADAMW_SHARDED = "lwjax AdamW (ZeRO-1)"
 ADAMW_REPLICATED = "optax AdamW (replicated)"
+MUON_FSDP = "lwjax Muon (FSDP)"
+ADAMW_FSDP = "lwjax AdamW (FSDP)"
 MUON_OPTAX = "lwjax Muon, optax form (jax.grad)"
 MUON_OPTAX_PER_DEVICE = "lwjax Muon, optax form (lwjax.value_and_grad)"
 FORWARD_BACKWARD = "forward+backward"
+FSDP_AXIS = "fsdp"
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)  # and, with optax_form, the next two
 # docs/scripts/megatron_train_bench.py's contenders, as the records name them.
@@ -151,6 +164,9 @@ class TrainBenchConfig:
         megatron-core installed): Muon and Adam, each without and with
         ``--overlap-grad-reduce --overlap-param-gather``, and forward+backward
         alone, on the same shapes and dp size.
+      fsdp: Split every parameter over the ``dp`` devices (an ``fsdp`` mesh
+        axis, see the module docstring) instead of replicating it: lwjax Muon,
+        lwjax AdamW and forward+backward, fully sharded.
     """
 
     workload: str = "small"
@@ -176,6 +192,7 @@ class TrainBenchConfig:
     peak_flops: float | None = None
     seed: int = 0
     megatron_script: str | None = None
+    fsdp: bool = False
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -195,6 +212,11 @@ class TrainBenchConfig:
                 f"workloads in bfloat16 only; got workload={self.workload!r}, "
                 f"param_dtype={self.param_dtype!r}."
             )
+        if self.fsdp and (self.baselines or self.optax_form or self.megatron_script):
+            raise ValueError(
+                "TrainBenchConfig.fsdp times lwjax's fully sharded steps only; turn off "
+                "baselines, optax_form and megatron_script (they replicate the model)."
+            )
         seq_len, micro_batch = TRAIN_DEFAULTS[self.workload]
         object.__setattr__(self, "seq_len", self.seq_len if self.seq_len is not None else seq_len)
         object.__setattr__(
@@ -210,8 +232,9 @@ class TrainBenchConfig:
         """The benchmarked model."""
         return workload_config(self.workload, self.layers)
 
-    def loss(self):
-        """``loss(params, tokens [B, T + 1])``: mean next-token cross-entropy in ``param_dtype``."""
+    def loss(self, gather=None):
+        """``loss(params, tokens [B, T + 1])``: mean next-token cross-entropy in ``param_dtype``
+        (``gather``: :func:`lwjax.megatron.model.gpt_logits`'s)."""
         config = self.model()
 
         def loss(params, batch):
@@ -221,6 +244,7 @@ class TrainBenchConfig:
                 config,
                 dtype=self.param_dtype,
                 remat=self.remat,
+                gather=gather,
             )
 
         return loss
@@ -231,7 +255,8 @@ def lwjax_optimizer(
 ) -> LayerwiseOptimizer:
     """The optimizer of ``lwjax Muon`` (``muon=True``) or ``lwjax AdamW (ZeRO-1)``.
 
-    :func:`lwjax.tools.bench.workload_optimizer` with ``cfg``'s hyper-parameters.
+    :func:`lwjax.tools.bench.workload_optimizer` with ``cfg``'s hyper-parameters;
+    with ``cfg.fsdp``, over parameters split over ``fsdp`` (``tensor_axis``).
     """
     return workload_optimizer(
         params,
@@ -246,32 +271,67 @@ def lwjax_optimizer(
         weight_decay=cfg.weight_decay,
         clip_grad=cfg.clip_grad,
         pipeline_muon=cfg.pipeline_muon,
+        tensor_axis=FSDP_AXIS if cfg.fsdp else None,
     )
 
 
-def lwjax_step(loss, optimizer: LayerwiseOptimizer):
+def lwjax_step(loss, optimizer: LayerwiseOptimizer, *, fsdp: bool = False):
     """``step(params, state, batch) -> (params, state, loss, grad_norm)``.
 
-    Local gradients go into ``optimizer.update``.
-
-    ``update`` takes each device's gradient of its local mean loss and takes the
-    mean over dp itself (inside its reduce-scatter). ``params`` and ``state``
-    are donated; ``batch`` is split over dp on its leading axis.
+    Local gradients go into ``optimizer.local_update``, which takes each
+    device's gradient of its local mean loss and the mean over dp itself
+    (inside its reduce-scatter). With ``fsdp`` the loss gathers the
+    parameters over ``fsdp`` (:func:`fsdp_gather`), whose transpose has summed
+    the ``n`` devices' gradients into each block: divided by ``n``, the
+    gradient of the mean loss. ``params`` (split as ``optimizer.param_specs``
+    says) and ``state`` are donated; ``batch`` is split over the data axes
+    on its leading axis.
     """
-    axis = optimizer.axis
+    data = (optimizer.axis, FSDP_AXIS) if fsdp else optimizer.axis
+    devices = optimizer.mesh.shape[FSDP_AXIS] if fsdp else 1
 
     def local(params, state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
+        grads = jax.tree.map(lambda g: g / devices, grads) if fsdp else grads
         params, state, metrics = optimizer.local_update(grads, state, params)
-        return params, state, lax.pmean(value, axis), metrics["grad_norm"]
+        return params, state, lax.pmean(value, data), metrics["grad_norm"]
 
+    specs = optimizer.param_specs
     return jit_shard_map(
         local,
         optimizer.mesh,
-        (P(), optimizer.state_specs, P(axis)),
-        (P(), optimizer.state_specs, P(), P()),
+        (specs, optimizer.state_specs, P(data)),
+        (specs, optimizer.state_specs, P(), P()),
         donate_argnums=(0, 1),
     )
+
+
+def fsdp_specs(config: GPTConfig, devices: int) -> dict:
+    """Every parameter of ``config`` split over ``fsdp`` on its last axis, as a
+    ``PartitionSpec`` tree (layer-stacked leaves keep their layer axis whole).
+
+    Raises:
+      ValueError: a leaf whose last axis does not divide by ``devices``.
+    """
+    shapes = config.param_shapes()
+    uneven = {key: shape for key, shape in shapes.items() if shape[-1] % devices}
+    if uneven:
+        raise ValueError(
+            f"TrainBenchConfig.fsdp: {devices} devices do not divide the last axis of "
+            f"{', '.join(f'{k} {s}' for k, s in uneven.items())}."
+        )
+    return tree_from_keys(
+        {key: P(*[None] * (len(shape) - 1), FSDP_AXIS) for key, shape in shapes.items()}
+    )
+
+
+def fsdp_gather(tree):
+    """Inside ``shard_map``: each leaf's blocks all-gathered over ``fsdp`` on its last axis.
+
+    The transpose of the all-gather is a reduce-scatter: the gradient of each
+    block is the sum over the ``fsdp`` devices of their gradients of it.
+    """
+    return jax.tree.map(lambda x: lax.all_gather(x, FSDP_AXIS, axis=x.ndim - 1, tiled=True), tree)
 
 
 def lwjax_optax_step(loss, optimizer: LayerwiseOptimizer, *, per_device: bool):
@@ -343,8 +403,15 @@ def optax_step(loss, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str 
     return jit_shard_map(local, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1))
 
 
-def forward_backward_step(loss, mesh: Mesh, *, axis: str = "dp"):
-    """``step(params, batch) -> (loss, sum of squared gradients)``: the compute floor."""
+def forward_backward_step(loss, mesh: Mesh, *, axis="dp", param_specs=None):
+    r"""``step(params, batch) -> (loss, a sum of squares of the gradients)``: the compute floor.
+
+    ``batch`` is split over ``axis`` (a name or a tuple), ``params`` as ``param_specs`` says
+    (``None``: replicated). The sum keeps every gradient computed: of each device's own gradients
+    (:math:`\sum_d \lVert g_d \rVert^2`), or with ``params`` split as
+    :func:`fsdp_specs` says, of the blocks the gathers' transposes summed
+    (:math:`\lVert \sum_d g_d \rVert^2`).
+    """
 
     def local(params, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
@@ -353,17 +420,23 @@ def forward_backward_step(loss, mesh: Mesh, *, axis: str = "dp"):
 
     return jax.jit(
         jax.shard_map(
-            local, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P()), check_vma=False
+            local,
+            mesh=mesh,
+            in_specs=(P() if param_specs is None else param_specs, P(axis)),
+            out_specs=(P(), P()),
+            check_vma=False,
         )
     )
 
 
 def synthetic_batch(
-    mesh: Mesh, micro_batch: int, seq_len: int, vocab: int, seed: int = 0, *, axis: str = "dp"
+    mesh: Mesh, micro_batch: int, seq_len: int, vocab: int, seed: int = 0, *, axis="dp"
 ):
-    """Uniformly random tokens ``[dp * micro_batch, seq_len + 1]`` (int32), split over ``axis``."""
+    """Uniformly random tokens ``[devices * micro_batch, seq_len + 1]`` (int32), split over
+    ``axis`` (a mesh axis or a tuple of them, ``devices`` in all)."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, vocab, (mesh.shape[axis] * micro_batch, seq_len + 1), dtype=np.int32)
+    devices = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    tokens = rng.integers(0, vocab, (devices * micro_batch, seq_len + 1), dtype=np.int32)
     return jax.device_put(tokens, NamedSharding(mesh, P(axis)))
 
 
@@ -406,10 +479,30 @@ def _peak_flops(cfg: TrainBenchConfig, device) -> float | None:
     return next((peak for kind, peak in PEAK_BF16_FLOPS if kind in device.device_kind), None)
 
 
+def _fsdp_params(config: GPTConfig, key, dtype, mesh: Mesh):
+    """:func:`~lwjax.megatron.model.init_params` made split over ``fsdp`` (no whole copy)."""
+    specs = fsdp_specs(config, mesh.shape[FSDP_AXIS])
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.jit(lambda key: init_params(config, key, dtype), out_shardings=shardings)(key)
+
+
 def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
     """Build, compile and time one contender at one dp size; its params and state are freed."""
     key, config, loss = jax.random.key(cfg.seed), cfg.model(), cfg.loss()
-    if name in (MUON, ADAMW_SHARDED):
+    if cfg.fsdp:
+        params = _fsdp_params(config, key, cfg.param_dtype, mesh)
+        loss = cfg.loss(gather=fsdp_gather)
+        if name == FORWARD_BACKWARD:
+            specs = fsdp_specs(config, mesh.shape[FSDP_AXIS])
+            step = forward_backward_step(loss, mesh, axis=("dp", FSDP_AXIS), param_specs=specs)
+            args = (params,)
+        else:
+            optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON_FSDP)
+            step = lwjax_step(loss, optimizer, fsdp=True)
+            args = (params, optimizer.init(params))
+    elif name in (MUON, ADAMW_SHARDED):
         params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON)
         step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
@@ -450,14 +543,12 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
             record["state_bytes_per_device"] = bytes_per_device(args)
             out = run(*args, batch)
             record["loss"] = float(out[2])
-            if name in (
-                MUON,
-                ADAMW_SHARDED,
-            ):  # the norm the step clipped by: above clip_grad, clipping bound
-                record["grad_norm"] = float(out[3])
+            if name in (MUON, ADAMW_SHARDED, MUON_FSDP, ADAMW_FSDP):
+                record["grad_norm"] = float(out[3])  # above clip_grad: clipping bound
     record["step_ms"] = seconds * 1e3
     stats = mesh.devices.flat[0].memory_stats()  # None on CPU
     record["peak_bytes_so_far"] = stats.get("peak_bytes_in_use") if stats else None
+    record["device_bytes_limit"] = stats.get("bytes_limit") if stats else None
     return record
 
 
@@ -472,7 +563,10 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       ``compiled_bytes_per_device`` (XLA's estimate for the step),
       ``peak_bytes_so_far`` (device 0's peak memory since the process
       started, a running maximum over the records; ``None`` on CPU),
-      ``state_bytes_per_device`` (parameters plus optimizer state on one
+      ``device_bytes_limit`` (what XLA may allocate on a device; ``None`` on
+      CPU), ``replicated_bytes`` (the parameters in ``param_dtype`` plus fp32
+      gradients: what one device would hold before any optimizer state if
+      the model were replicated), ``state_bytes_per_device`` (parameters plus optimizer state on one
       device), ``loss`` of one more step after the timed ones,
       ``attention`` (``"cudnn"`` where the compiled step calls cuDNN's fused
       attention, else ``"xla"``), ``grad_norm`` of that step (lwjax contenders:
@@ -494,10 +588,11 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     numel = sum(math.prod(s) for s in model.param_shapes().values())
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     peak = _peak_flops(cfg, devices[0])
+    muon = MUON_FSDP if cfg.fsdp else MUON
     names = [
-        MUON,
+        muon,
         *(OPTAX_FORM_CONTENDERS if cfg.optax_form else ()),
-        ADAMW_SHARDED,
+        ADAMW_FSDP if cfg.fsdp else ADAMW_SHARDED,
         *([ADAMW_REPLICATED] if cfg.baselines else []),
         FORWARD_BACKWARD,
     ]
@@ -507,8 +602,18 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             raise ValueError(
                 f"TrainBenchConfig.dp_sizes: dp={dp} exceeds the {len(devices)} available devices."
             )
-        mesh = Mesh(np.array(devices[:dp]), ("dp",))
-        batch = synthetic_batch(mesh, cfg.micro_batch, cfg.seq_len, model.vocab_size, cfg.seed)
+        if cfg.fsdp:
+            mesh = Mesh(np.array(devices[:dp]).reshape(1, dp), ("dp", FSDP_AXIS))
+        else:
+            mesh = Mesh(np.array(devices[:dp]), ("dp",))
+        batch = synthetic_batch(
+            mesh,
+            cfg.micro_batch,
+            cfg.seq_len,
+            model.vocab_size,
+            cfg.seed,
+            axis=("dp", FSDP_AXIS) if cfg.fsdp else "dp",
+        )
         tokens = dp * cfg.micro_batch * cfg.seq_len
         base = dict(
             workload=cfg.workload,
@@ -521,6 +626,9 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             tokens_per_step=tokens,
             remat=cfg.remat,
             param_dtype=cfg.param_dtype,
+            fsdp=cfg.fsdp,
+            # bf16 parameters and fp32 gradients, whole on every device: what replicating needs
+            replicated_bytes=numel * (jnp.dtype(cfg.param_dtype).itemsize + 4),
             model_flops_per_token=flops_per_token,
             pipeline_muon=cfg.pipeline_muon,
             pgle=cfg.pgle,
@@ -539,8 +647,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
         floor_ms = rows[FORWARD_BACKWARD]["step_ms"]
         for name in names[:-1]:
             rows[name]["optimizer_ms"] = rows[name]["step_ms"] - floor_ms
-        muon_ms = rows[MUON]["step_ms"]
-        rows[MUON]["muon_overhead_pct"] = {
+        muon_ms = rows[muon]["step_ms"]
+        rows[muon]["muon_overhead_pct"] = {
             n: 100 * (muon_ms / rows[n]["step_ms"] - 1) for n in names[1:-1] if "Muon" not in n
         }
         for name in OPTAX_FORM_CONTENDERS:

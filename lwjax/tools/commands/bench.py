@@ -30,8 +30,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             )
         if (args.tp, args.tp_mode) != (1, None):
             raise ValueError("--tp and --tp-mode apply to the optimizer step only.")
-    elif (args.seq_len, args.micro_batch, args.remat) != (None, None, False):
-        raise ValueError("--seq-len, --micro-batch and --remat apply to --train-step only.")
+    elif (args.seq_len, args.micro_batch, args.remat, args.fsdp) != (None, None, False, False):
+        raise ValueError("--seq-len, --micro-batch, --remat and --fsdp apply to --train-step only.")
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer; got {args.tp}.")
     if not args.json:
@@ -92,6 +92,7 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         baselines=args.baselines,
         optax_form=args.optax_form,
         megatron_script=args.megatron,
+        fsdp=args.fsdp,
     )
     records = run_train_bench(config)
     if not _emit_records(args, records):
@@ -265,6 +266,13 @@ def _add_train_step_flags(p: argparse.ArgumentParser) -> None:
         "--remat",
         action="store_true",
         help="with --train-step: recompute each layer's activations in the backward pass",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --train-step: split every parameter over the dp devices (fully sharded: "
+        "each layer gathered for its forward, gradients reduce-scattered in the backward) "
+        "instead of replicating it; lwjax contenders only (add --no-baselines)",
     )
     p.add_argument(
         "--optax-form",
