@@ -1,12 +1,23 @@
 """Test session setup: 8 virtual CPU devices, configured before any JAX op and started at once."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# A compilation cache for this session only: many tests compile the same programs (the same
+# optimizer step, reference, model) from fresh closures, which jit's own cache cannot match
+# but the HLO-keyed persistent cache does (about 15% of the suite's time on 2 cores).
+_CACHE = tempfile.mkdtemp(prefix="lwjax-tests-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Start the backend now: a CLI call inside a test asks for its own --dp devices, which would
 # otherwise set the whole session's count when that test happens to run first.
 jax.devices()
