@@ -37,7 +37,7 @@ POLICIES: tuple[str, ...] = ("ns_cost", "lpt", "size_matching")
 DEFAULT_POLICY: LayoutPolicy = "ns_cost"
 AUTO_BUCKET_MIN = 40_000_000  # Megatron's DDP bucket size: max(40M, 1M * dp) elements
 AUTO_BUCKET_PER_RANK = 1_000_000
-# Elements a bucket may hold: XLA slices a bucket at int32 offsets.
+# Elements a bucket may hold: lwjax indexes a bucket with int32 offsets (jax without x64).
 MAX_BUCKET_ELEMENTS = 2**31 - 1
 
 

@@ -463,7 +463,8 @@ def axis_names(leaf) -> tuple[str | None, ...] | None:
 
 
 # A bucket closes once it holds this many elements: below MAX_BUCKET_ELEMENTS (int32
-# offsets) with any parameter smaller than it, and a bounded fp32 temporary per bucket.
+# offsets) with any parameter smaller than it, and a bounded fp32 temporary per bucket. A
+# slot group cut by a bucket's end is dealt out (and padded) in each bucket separately.
 ALONE_BUCKET_SIZE = 2**30
 
 

@@ -327,12 +327,17 @@ def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
     sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
     for bucket, size in enumerate(sizes):
         if size * dp > MAX_BUCKET_ELEMENTS:
+            numel, name = max(
+                (end - start, name)
+                for name, (start, end, b) in layout.param_index_map.items()
+                if b == bucket
+            )
             raise ValueError(
-                f"layout: bucket {bucket} of buffer {key} holds {size * dp:,} elements; XLA "
-                f"slices a bucket at int32 offsets, so it must hold at most "
-                f"{MAX_BUCKET_ELEMENTS:,}. Set LayoutConfig.bucket_size to split the buffer "
-                "into smaller buckets; a single parameter that large has to be split over a "
-                "tensor-parallel axis (tensor_axis)."
+                f"layout: bucket {bucket} of buffer {key} holds {size * dp:,} elements (its "
+                f"largest parameter: {name}, {numel:,}); lwjax indexes a bucket with int32 "
+                f"offsets, so it must hold at most {MAX_BUCKET_ELEMENTS:,}. Set "
+                "LayoutConfig.bucket_size to split the buffer into smaller buckets; a single "
+                "parameter that large has to be split over a tensor-parallel axis (tensor_axis)."
             )
     segments = []
     runs = [[[] for _ in range(dp)] for _ in sizes]

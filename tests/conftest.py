@@ -17,7 +17,6 @@ _CACHE = tempfile.mkdtemp(prefix="lwjax-tests-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Start the backend now: a CLI call inside a test asks for its own --dp devices, which would
 # otherwise set the whole session's count when that test happens to run first.
 jax.devices()

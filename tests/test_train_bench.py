@@ -2,10 +2,13 @@
 against ground truth, the CLI."""
 
 import dataclasses
+import functools
 import json
 import math
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,7 +20,7 @@ from lwjax.logical import to_logical
 from lwjax.megatron.gpt import tree_from_keys
 from lwjax.megatron.model import init_params
 from lwjax.muon import MuonConfig
-from lwjax.optimizer import OptimizerConfig, layerwise_muon
+from lwjax.optimizer import OptimizerConfig, layerwise_muon, named_shardings
 from lwjax.tools import train_bench as tb
 from lwjax.tools.bench import PGLE_RUNS, workload_config
 from lwjax.tools.cli import main
@@ -219,10 +222,7 @@ def _fsdp_inputs(params, batch, devices=4):
     ``batch`` split over both data axes."""
     mesh = fsdp_mesh(devices)
     specs = tb.fsdp_specs(CFG.model(), devices)
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    params = jax.device_put(jax.tree.map(np.array, params), shardings)
+    params = jax.device_put(jax.tree.map(np.array, params), named_shardings(mesh, specs))
     batch = jax.device_put(np.asarray(batch), NamedSharding(mesh, P(("dp", tb.FSDP_AXIS))))
     return mesh, specs, params, batch
 
@@ -243,7 +243,8 @@ def test_fsdp_muon_step_at_4_devices_is_the_replicated_step_at_dp4(lwjax_step_at
     mesh, specs, split, split_batch = _fsdp_inputs(params, batch)
     fsdp_opt = tb.lwjax_optimizer(split, mesh, FSDP)
     assert sum(r.is_muon for r in fsdp_opt.plan.routes) == 4  # qkv, proj, fc1, fc2
-    step = tb.lwjax_step(FSDP.loss(gather=tb.fsdp_gather), fsdp_opt, fsdp=True)
+    gather = functools.partial(tb.fsdp_gather, reduce_in_fp32=True)  # the bench's default
+    step = tb.lwjax_step(FSDP.loss(gather=gather), fsdp_opt, fsdp=True)
     got, got_state, loss, grad_norm = step(split, fsdp_opt.init(split), split_batch)
 
     _assert_trees_close(got, want, 1e-5, where=where)
@@ -321,7 +322,7 @@ def test_fsdp_forward_backward_with_remat_takes_the_full_batch_loss_and_gradient
 def test_fsdp_init_params_are_init_params_split():
     config = CFG.model()
     mesh, specs = fsdp_mesh(4), tb.fsdp_specs(config, 4)
-    got = tb._fsdp_params(config, jax.random.key(3), "float32", mesh)
+    got = tb._fsdp_params(config, jax.random.key(3), "float32", mesh, specs)
     want = init_params(config, jax.random.key(3), "float32")
     for (path, a), b, spec in zip(
         jax.tree_util.tree_flatten_with_path(got)[0],
@@ -348,16 +349,20 @@ def test_fsdp_specs_name_the_leaves_the_devices_do_not_divide():
 
 
 @pytest.mark.parametrize(
-    "options",
+    "options, named",
     [
-        {},
-        dict(optax_form=True, baselines=False),
-        dict(workload="1b", baselines=False, megatron_script="x.py"),
+        ({}, "got baselines=True."),
+        (dict(optax_form=True, baselines=False), "got optax_form=True."),
+        (
+            dict(workload="1b", baselines=False, megatron_script="x.py"),
+            "got megatron_script='x.py'.",
+        ),
     ],
 )
-def test_fsdp_config_refuses_the_contenders_that_replicate_the_model(options):
-    with pytest.raises(ValueError, match="fully sharded steps only"):
+def test_fsdp_config_refuses_the_contenders_that_replicate_the_model(options, named):
+    with pytest.raises(ValueError, match="fully sharded steps only") as error:
         tb.TrainBenchConfig(fsdp=True, **options)
+    assert str(error.value).endswith(named)
 
 
 def test_cli_train_step_writes_bench_json(tmp_path, capsys):
@@ -612,3 +617,36 @@ def test_megatron_training_step_records_come_from_the_script_it_ran(tmp_path, ca
     assert "skipped: overlap_param_gather" in table and "Megatron-Core Adam" in table
     adam_row = next(line for line in table.splitlines() if names["adam"] in line)
     assert "+20.0%" in adam_row  # Megatron's Muon over its own Adam
+
+
+@pytest.mark.parametrize("reduce_in_fp32", [False, True])
+def test_fsdp_gather_reduces_the_gradient_in_the_dtype_asked_for(reduce_in_fp32):
+    """The gather's transpose: the sum of the devices' gradients of each block, reduce-scattered
+    in fp32 with ``reduce_in_fp32`` (as ``grad_reduce_in_fp32`` asks) and rounded once, else in
+    the leaf's bf16."""
+    mesh = fsdp_mesh(4)
+    scale = np.arange(1, 5, dtype=np.float32).repeat(2)[:, None] * np.ones((8, 8), np.float32)
+
+    def local(w, scale):
+        gather = functools.partial(tb.fsdp_gather, reduce_in_fp32=reduce_in_fp32)
+        return jax.grad(lambda w: jnp.sum(gather(w).astype(jnp.float32) * scale))(w)
+
+    step = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(None, tb.FSDP_AXIS), P(("dp", tb.FSDP_AXIS))),
+            out_specs=P(None, tb.FSDP_AXIS),
+            check_vma=False,
+        )
+    )
+    w = jnp.ones((2, 8), jnp.bfloat16)
+    text = step.lower(w, scale).as_text()
+    reduced = re.findall(
+        r"stablehlo\.reduce_scatter\".*?\}\) : \(tensor<[0-9x]+x(f32|bf16)>\)", text, re.DOTALL
+    )
+    assert reduced and set(reduced) == {"f32" if reduce_in_fp32 else "bf16"}
+    grad = step(w, scale)
+    # Device d holds rows 2d, 2d+1 of scale, all d + 1: the gradient sums them, 1 + 2 + 3 + 4.
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.full((2, 8), 10.0))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 
@@ -63,7 +64,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax.layout import DEFAULT_POLICY
 from lwjax.megatron.gpt import GPTConfig, tree_from_keys
 from lwjax.megatron.model import gpt_loss, init_params
-from lwjax.optimizer import LayerwiseOptimizer, state_shardings
+from lwjax.optimizer import LayerwiseOptimizer, named_shardings, state_shardings
 from lwjax.tools.bench import (
     WARMUP_STEPS,
     WORKLOADS,
@@ -212,10 +213,16 @@ class TrainBenchConfig:
                 f"workloads in bfloat16 only; got workload={self.workload!r}, "
                 f"param_dtype={self.param_dtype!r}."
             )
-        if self.fsdp and (self.baselines or self.optax_form or self.megatron_script):
+        replicating = {
+            name: getattr(self, name)
+            for name in ("baselines", "optax_form", "megatron_script")
+            if getattr(self, name)
+        }
+        if self.fsdp and replicating:
             raise ValueError(
                 "TrainBenchConfig.fsdp times lwjax's fully sharded steps only; turn off "
-                "baselines, optax_form and megatron_script (they replicate the model)."
+                f"baselines, optax_form and megatron_script (they replicate the model); got "
+                f"{', '.join(f'{k}={v!r}' for k, v in replicating.items())}."
             )
         seq_len, micro_batch = TRAIN_DEFAULTS[self.workload]
         object.__setattr__(self, "seq_len", self.seq_len if self.seq_len is not None else seq_len)
@@ -287,20 +294,20 @@ def lwjax_step(loss, optimizer: LayerwiseOptimizer, *, fsdp: bool = False):
     says) and ``state`` are donated; ``batch`` is split over the data axes
     on its leading axis.
     """
-    data = (optimizer.axis, FSDP_AXIS) if fsdp else optimizer.axis
-    devices = optimizer.mesh.shape[FSDP_AXIS] if fsdp else 1
+    data_axes = (optimizer.axis, FSDP_AXIS) if fsdp else optimizer.axis
+    fsdp_size = optimizer.mesh.shape[FSDP_AXIS] if fsdp else 1
 
     def local(params, state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
-        grads = jax.tree.map(lambda g: g / devices, grads) if fsdp else grads
+        grads = jax.tree.map(lambda g: g / fsdp_size, grads) if fsdp else grads
         params, state, metrics = optimizer.local_update(grads, state, params)
-        return params, state, lax.pmean(value, data), metrics["grad_norm"]
+        return params, state, lax.pmean(value, data_axes), metrics["grad_norm"]
 
     specs = optimizer.param_specs
     return jit_shard_map(
         local,
         optimizer.mesh,
-        (specs, optimizer.state_specs, P(data)),
+        (specs, optimizer.state_specs, P(data_axes)),
         (specs, optimizer.state_specs, P(), P()),
         donate_argnums=(0, 1),
     )
@@ -325,13 +332,35 @@ def fsdp_specs(config: GPTConfig, devices: int) -> dict:
     )
 
 
-def fsdp_gather(tree):
+def fsdp_gather(tree, *, reduce_in_fp32: bool = False):
     """Inside ``shard_map``: each leaf's blocks all-gathered over ``fsdp`` on its last axis.
 
     The transpose of the all-gather is a reduce-scatter: the gradient of each
-    block is the sum over the ``fsdp`` devices of their gradients of it.
+    block is the sum over the ``fsdp`` devices of their gradients of it, taken
+    in the leaf's dtype, or with ``reduce_in_fp32`` in fp32 and rounded to the
+    leaf's dtype once (``TrainBenchConfig.grad_reduce_in_fp32``: where the
+    gradients are reduced in the fully sharded step).
     """
-    return jax.tree.map(lambda x: lax.all_gather(x, FSDP_AXIS, axis=x.ndim - 1, tiled=True), tree)
+    return jax.tree.map(_gather_reduced_in_fp32 if reduce_in_fp32 else _gather, tree)
+
+
+def _gather(x: jax.Array) -> jax.Array:
+    return lax.all_gather(x, FSDP_AXIS, axis=x.ndim - 1, tiled=True)
+
+
+@jax.custom_vjp
+def _gather_reduced_in_fp32(x: jax.Array) -> jax.Array:
+    return _gather(x)
+
+
+def _scatter_in_fp32(_, g):
+    summed = lax.psum_scatter(
+        g.astype(jnp.float32), FSDP_AXIS, scatter_dimension=g.ndim - 1, tiled=True
+    )
+    return (summed.astype(g.dtype),)
+
+
+_gather_reduced_in_fp32.defvjp(lambda x: (_gather(x), None), _scatter_in_fp32)
 
 
 def lwjax_optax_step(loss, optimizer: LayerwiseOptimizer, *, per_device: bool):
@@ -403,7 +432,9 @@ def optax_step(loss, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str 
     return jit_shard_map(local, mesh, (P(), P(), P(axis)), (P(), P(), P()), donate_argnums=(0, 1))
 
 
-def forward_backward_step(loss, mesh: Mesh, *, axis="dp", param_specs=None):
+def forward_backward_step(
+    loss, mesh: Mesh, *, axis: str | tuple[str, ...] = "dp", param_specs=None
+):
     r"""``step(params, batch) -> (loss, a sum of squares of the gradients)``: the compute floor.
 
     ``batch`` is split over ``axis`` (a name or a tuple), ``params`` as ``param_specs`` says
@@ -430,7 +461,13 @@ def forward_backward_step(loss, mesh: Mesh, *, axis="dp", param_specs=None):
 
 
 def synthetic_batch(
-    mesh: Mesh, micro_batch: int, seq_len: int, vocab: int, seed: int = 0, *, axis="dp"
+    mesh: Mesh,
+    micro_batch: int,
+    seq_len: int,
+    vocab: int,
+    seed: int = 0,
+    *,
+    axis: str | tuple[str, ...] = "dp",
 ):
     """Uniformly random tokens ``[devices * micro_batch, seq_len + 1]`` (int32), split over
     ``axis`` (a mesh axis or a tuple of them, ``devices`` in all)."""
@@ -479,30 +516,31 @@ def _peak_flops(cfg: TrainBenchConfig, device) -> float | None:
     return next((peak for kind, peak in PEAK_BF16_FLOPS if kind in device.device_kind), None)
 
 
-def _fsdp_params(config: GPTConfig, key, dtype, mesh: Mesh):
-    """:func:`~lwjax.megatron.model.init_params` made split over ``fsdp`` (no whole copy)."""
-    specs = fsdp_specs(config, mesh.shape[FSDP_AXIS])
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
-    )
+def _fsdp_params(config: GPTConfig, key, dtype, mesh: Mesh, specs):
+    """:func:`~lwjax.megatron.model.init_params` made split as ``specs`` say (no whole copy)."""
+    shardings = named_shardings(mesh, specs)
     return jax.jit(lambda key: init_params(config, key, dtype), out_shardings=shardings)(key)
 
 
 def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
     """Build, compile and time one contender at one dp size; its params and state are freed."""
-    key, config, loss = jax.random.key(cfg.seed), cfg.model(), cfg.loss()
+    key, config = jax.random.key(cfg.seed), cfg.model()
     if cfg.fsdp:
-        params = _fsdp_params(config, key, cfg.param_dtype, mesh)
-        loss = cfg.loss(gather=fsdp_gather)
+        specs = fsdp_specs(config, mesh.shape[FSDP_AXIS])
+        params = _fsdp_params(config, key, cfg.param_dtype, mesh, specs)
+        loss = cfg.loss(
+            gather=functools.partial(fsdp_gather, reduce_in_fp32=cfg.grad_reduce_in_fp32)
+        )
         if name == FORWARD_BACKWARD:
-            specs = fsdp_specs(config, mesh.shape[FSDP_AXIS])
             step = forward_backward_step(loss, mesh, axis=("dp", FSDP_AXIS), param_specs=specs)
             args = (params,)
         else:
             optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON_FSDP)
             step = lwjax_step(loss, optimizer, fsdp=True)
             args = (params, optimizer.init(params))
-    elif name in (MUON, ADAMW_SHARDED):
+        return _measure(name, cfg, mesh, batch, step, args)
+    loss = cfg.loss()
+    if name in (MUON, ADAMW_SHARDED):
         params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON)
         step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
@@ -521,6 +559,11 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
             forward_backward_step(loss, mesh),
             (_replicated(init_params(config, key, cfg.param_dtype), mesh),),
         )
+    return _measure(name, cfg, mesh, batch, step, args)
+
+
+def _measure(name: str, cfg: TrainBenchConfig, mesh, batch, step, args) -> dict:
+    """Compile ``step`` on ``args`` and ``batch``, time it, and record what it holds."""
     compiled = step.lower(*args, batch).compile()
     text = compiled.as_text()
     record = dict(
@@ -627,7 +670,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             remat=cfg.remat,
             param_dtype=cfg.param_dtype,
             fsdp=cfg.fsdp,
-            # bf16 parameters and fp32 gradients, whole on every device: what replicating needs
+            # parameters (param_dtype) and fp32 gradients whole on every device: the criterion
+            # of a model too big to replicate
             replicated_bytes=numel * (jnp.dtype(cfg.param_dtype).itemsize + 4),
             model_flops_per_token=flops_per_token,
             pipeline_muon=cfg.pipeline_muon,
