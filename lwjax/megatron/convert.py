@@ -269,9 +269,8 @@ class MegatronImport:
         ``overrides`` are :meth:`optimizer_kwargs`'s.
         """
         import jax
-        from jax.sharding import NamedSharding
 
-        from lwjax.optimizer import layerwise_muon
+        from lwjax.optimizer import layerwise_muon, named_shardings
 
         params = self.params
         if tensor_axis is not None:
@@ -281,11 +280,9 @@ class MegatronImport:
                     f"the mesh {dict(mesh.shape)}."
                 )
             params = jax.tree.map(
-                lambda x, spec: jax.ShapeDtypeStruct(
-                    x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
-                ),
+                lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                 self.params,
-                self.config.tensor_specs(tensor_axis),
+                named_shardings(mesh, self.config.tensor_specs(tensor_axis)),
             )
         kwargs = self.optimizer_kwargs(**overrides)
         return layerwise_muon(params, mesh, tensor_axis=tensor_axis, **kwargs)
