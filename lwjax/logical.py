@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.buffers import pack, unpack
 from lwjax.optimizer import LayerwiseOptimizer, state_shardings
-from lwjax.step import LayerwiseState
+from lwjax.step import LayerwiseState, initial_speculation
 
 
 class LogicalState(NamedTuple):
@@ -231,7 +231,9 @@ def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> Layerw
     """Pack a :class:`LogicalState` into this optimizer's sharded :class:`LayerwiseState`.
 
     Inverse of :func:`to_logical`. The logical state may come from an
-    optimizer with another dp size, layout policy or bucket size.
+    optimizer with another dp size, layout policy or bucket size. A pipelined
+    optimizer's speculation flag, a scheduling guess that never changes a
+    result, is not part of it and starts again at ``False``.
     """
     plan = optimizer.plan
     lw = [b.key.is_layer_wise for b in plan.buffers]
@@ -283,7 +285,11 @@ def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> Layerw
                     for k in range(plan.buffers[i].num_buckets)
                 )
         return LayerwiseState(
-            jnp.asarray(logical.count, jnp.int32), masters, momenta, tuple(elementwise)
+            jnp.asarray(logical.count, jnp.int32),
+            masters,
+            momenta,
+            tuple(elementwise),
+            initial_speculation(plan),
         )
 
     logical = jax.tree.map(lambda x: jax.device_put(x, logical_sharding(optimizer, x)), logical)

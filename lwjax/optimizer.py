@@ -44,7 +44,7 @@ from lwjax.routing import (
 )
 from lwjax.schedule import schedule_buckets
 from lwjax.shards import PARAM_SYNCS
-from lwjax.step import LayerwiseState
+from lwjax.step import LayerwiseState, speculates
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 ParamSync = Literal["all_gather", "broadcast"]
@@ -77,11 +77,13 @@ class OptimizerConfig:
       pipeline_muon: Start each layer-wise bucket's Muon direction (momentum,
         Newton–Schulz) as soon as its gradient shard arrives
         (:mod:`lwjax.pipelined`). Exact without clipping. With clipping it
-        speculates that no Muon matrix's clip coefficient is below 1 and
-        computes the directions again where that fails
-        (``metrics["recomputed"]``), so a step that clips runs momentum and
+        speculates that no Muon matrix's clip coefficient is below 1, and only
+        after a step that needed no Muon clip (``LayerwiseState.speculate``;
+        otherwise the step is the serial one): it computes the directions
+        again where the speculation fails (``metrics["recomputed"]``), so a
+        step that clips right after one that did not runs momentum and
         Newton–Schulz twice. It pays off for the optimizer step alone under
-        XLA's profile-guided scheduling while clipping rarely binds; see
+        XLA's profile-guided scheduling while clipping is idle; see
         ``docs/configuration.md`` for what was measured.
     """
 
@@ -767,6 +769,7 @@ def _state_specs(plan: StepPlan) -> LayerwiseState:
             else tuple(elementwise_specs(size, spec) for size in b.shard_sizes)
             for b, spec in zip(plan.buffers, specs)
         ),
+        speculate=P() if speculates(plan) else None,
     )
 
 

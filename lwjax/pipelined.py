@@ -2,7 +2,7 @@
 
 The serial step (:func:`lwjax.step.update`) needs the global gradient norm
 before it can clip, so every Newton–Schulz waits for every reduce-scatter.
-:func:`update_pipelined` reduce-scatters the layer-wise buckets first and
+:func:`speculative_update` reduce-scatters the layer-wise buckets first and
 starts each bucket's Muon directions (momentum and Newton–Schulz) as soon as
 its shard is in, overlapping the remaining reduce-scatters. The directions
 come from unclipped gradients: a speculation that no Muon matrix's clip
@@ -10,10 +10,20 @@ coefficient is below 1. After the norm, :func:`keep_or_redo` keeps them where
 the speculation held and computes them again from the clipped gradients where
 it did not, so the result is the serial step's up to rounding either way.
 Without clipping there is nothing to speculate on and the step is exact.
+
+A failed speculation runs Newton–Schulz twice. So with clipping,
+:func:`update_pipelined` speculates only after a step that needed no Muon
+clip (``LayerwiseState.speculate``) and otherwise runs the serial step: one
+``lax.cond`` on the whole step, whose predicate is known when the step starts.
+Clipping holds for runs of steps (early in training most steps clip, later
+few do), so only a step whose clip differs from its predecessor's is guessed
+wrong: one that clips after one that did not runs Newton–Schulz twice, one
+that does not clip after one that did runs serially.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -30,6 +40,7 @@ from lwjax.step import (
     muon_directions,
     reduce_scatter,
     update_and_gather,
+    update_with_stats,
     with_schedules_checked,
 )
 
@@ -39,10 +50,50 @@ def update_pipelined(
 ):
     """:func:`lwjax.step.update` with each Muon bucket's directions computed as its shard arrives.
 
-    Same arguments and results; with clipping, ``metrics["recomputed"]`` says
-    whether the speculation failed and the directions were computed again.
+    Same arguments and results. With clipping the step speculates only where
+    ``state.speculate`` says so, and runs the serial step otherwise;
+    ``metrics["speculated"]`` says which, ``metrics["recomputed"]`` whether
+    the speculation failed and the directions were computed again. The new
+    state's ``speculate`` is whether this step needed no Muon clip (a skipped
+    step keeps the old guess).
     """
     check_tree(plan, grads, "update(grads)")
+    if state.speculate is None:  # no clipping or no Muon: nothing to guess
+        return speculative_update(plan, grads, state, params, reduced=reduced)[:3]
+
+    def speculative():
+        new_params, new_state, metrics, stats = speculative_update(
+            plan, grads, state, params, reduced=reduced
+        )
+        clipped = muon_clipped(plan, stats)
+        return new_params, new_state, metrics, clipped, clipped
+
+    def serial():
+        new_params, new_state, metrics, stats = update_with_stats(
+            plan, grads, state, params, reduced=reduced
+        )
+        return new_params, new_state, metrics, muon_clipped(plan, stats), jnp.asarray(False)
+
+    new_params, new_state, metrics, clipped, failed = lax.cond(state.speculate, speculative, serial)
+    finite = jnp.logical_not(metrics["skipped"])
+    new_state = new_state._replace(
+        speculate=jnp.where(finite, jnp.logical_not(clipped), state.speculate)
+    )
+    metrics = {**metrics, "speculated": state.speculate, "recomputed": failed}
+    return new_params, new_state, metrics
+
+
+def muon_clipped(plan: StepPlan, stats: GradStats) -> jax.Array:
+    """Whether the gradients are finite and some Muon matrix's clip coefficient is below 1."""
+    muon_groups = sorted({plan.group_of[leaf] for leaf, r in enumerate(plan.routes) if r.is_muon})
+    return stats.finite & jnp.logical_not(jnp.all(stats.coefs[np.asarray(muon_groups, int)] == 1))
+
+
+def speculative_update(
+    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False
+):
+    """The step with every Muon direction started before the norm; returns
+    :func:`lwjax.step.update`'s results and the step's :class:`GradStats`."""
     ranks = device_ranks(plan)
     # 1-2. Layer-wise buckets reduce-scattered first (nothing elementwise can start before the
     # norm), and each one's Muon directions computed from its unclipped shard as it arrives.
@@ -55,15 +106,12 @@ def update_pipelined(
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
     checked = bool(plan.config.clip_grad and directions)
     if checked:  # the speculation kept where it held, else each bucket's directions computed again
-        directions, recomputed = keep_or_redo(plan, directions, state, grad_shards, ranks, stats)
+        directions = keep_or_redo(plan, directions, state, grad_shards, ranks, stats)
     # 4-5. Each owned shard updated with its directions, cast, and gathered; 6. unpacked.
     new = update_and_gather(
         plan, state, grad_shards, ranks, stats, directions, momentum_final=checked
     )
-    new_params, new_state, metrics = finish(plan, state, params, new, stats)
-    if checked:
-        metrics["recomputed"] = recomputed
-    return new_params, new_state, metrics
+    return *finish(plan, state, params, new, stats), stats
 
 
 def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, ranks) -> dict:
@@ -87,7 +135,7 @@ def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, ranks) -> dict
 
 def keep_or_redo(
     plan: StepPlan, directions: dict, state: LayerwiseState, grad_shards, ranks, stats: GradStats
-):
+) -> dict:
     """The speculative directions where they hold, else each bucket's directions computed again.
 
     They hold if no Muon matrix's clip coefficient is below 1 and the
@@ -102,11 +150,9 @@ def keep_or_redo(
     host; at dp 4 that cost nothing measurable.) A step with non-finite
     gradients is skipped, but its loops run too: with the finite check they
     hand back the old momentum, so every momentum that comes out is final and
-    the update selects none. Also returns whether the clip made it recompute.
+    the update selects none.
     """
-    muon_groups = sorted({plan.group_of[leaf] for leaf, r in enumerate(plan.routes) if r.is_muon})
-    clipped = stats.finite & jnp.logical_not(jnp.all(stats.coefs[np.asarray(muon_groups)] == 1))
-    redo = clipped | jnp.logical_not(stats.finite)
+    redo = muon_clipped(plan, stats) | jnp.logical_not(stats.finite)
     out = {}
     for (i, k), speculative in directions.items():
 
@@ -117,4 +163,4 @@ def keep_or_redo(
             )
 
         _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (redo, speculative))
-    return out, clipped
+    return out

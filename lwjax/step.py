@@ -71,6 +71,9 @@ class LayerwiseState(NamedTuple):
     masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 master weights.
     momenta: tuple[tuple[jax.Array, ...] | None, ...]  # Muon momentum; None if elementwise.
     elementwise: tuple[tuple[Any, ...] | None, ...]  # optax state; None if layer-wise.
+    # shape=(), bool, only where the step speculates (:func:`speculates`): whether the next step
+    # starts Newton–Schulz before the norm, i.e. the last applied step needed no Muon clip.
+    speculate: jax.Array | None = None
 
 
 class GradStats(NamedTuple):
@@ -81,6 +84,23 @@ class GradStats(NamedTuple):
     zeros: jax.Array  # shape=(), int32: zero gradient elements (padding excluded).
     finite: jax.Array  # shape=(), bool: every norm is finite (else the step is skipped).
     groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
+
+
+def speculates(plan: StepPlan) -> bool:
+    """Whether the state carries a speculation flag: the step is pipelined, clips and has
+    Muon matrices.
+
+    Without clipping the pipelined step is exact, and without Muon it starts
+    nothing early: it has nothing to guess.
+    """
+    has_muon = any(b.key.is_layer_wise for b in plan.buffers)
+    return bool(plan.config.pipeline_muon and plan.config.clip_grad and has_muon)
+
+
+def initial_speculation(plan: StepPlan) -> jax.Array | None:
+    """``LayerwiseState.speculate`` of a fresh or restored state: ``False`` (the first step
+    waits for the norm, as early training mostly clips), or ``None`` where nothing speculates."""
+    return jnp.zeros([], jnp.bool_) if speculates(plan) else None
 
 
 def init(plan: StepPlan, params) -> LayerwiseState:
@@ -101,7 +121,9 @@ def init(plan: StepPlan, params) -> LayerwiseState:
         None if b.key.is_layer_wise else tuple(plan.elementwise.init(m) for m in ms)
         for b, ms in zip(plan.buffers, masters)
     )
-    return LayerwiseState(jnp.zeros([], jnp.int32), masters, momenta, states)
+    return LayerwiseState(
+        jnp.zeros([], jnp.int32), masters, momenta, states, initial_speculation(plan)
+    )
 
 
 def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False):
@@ -122,6 +144,11 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: boo
       ``grad_norm/<group>``, ``clip_coef/<group>``).
     """
     check_tree(plan, grads, "update(grads)")
+    return update_with_stats(plan, grads, state, params, reduced=reduced)[:3]
+
+
+def update_with_stats(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False):
+    """:func:`update`'s phases; returns its results and the step's :class:`GradStats`."""
     ranks = device_ranks(plan)
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
@@ -130,7 +157,7 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: boo
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
     new = update_and_gather(plan, state, grad_shards, ranks, stats)
     # 6. The gathered buckets unpacked into parameters.
-    return finish(plan, state, params, new, stats)
+    return *finish(plan, state, params, new, stats), stats
 
 
 def device_ranks(plan: StepPlan) -> list[jax.Array]:
@@ -518,6 +545,7 @@ def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats)
         tuple(tuple(m) for m in masters),
         tuple(tuple(m) if b.key.is_layer_wise else None for b, m in zip(plan.buffers, moments)),
         tuple(None if b.key.is_layer_wise else tuple(m) for b, m in zip(plan.buffers, moments)),
+        state.speculate,
     )
     # A float: a model of 2**31 elements or more overflows a traced int32.
     real_numel = float(sum(math.prod(r.shape) for r in plan.routes))

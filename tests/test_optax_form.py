@@ -230,3 +230,28 @@ def test_none_leaves_train_checkpoint_and_copy():
         restored, _ = lwjax.restore(f"{tmp}/ckpt", tx)
     assert restored["n"] is None
     np.testing.assert_array_equal(restored["a"], params["a"])
+
+
+def test_pipelined_optax_form_trains_as_the_serial_step():
+    """The speculation flag travels in the optax state through a plain jit loop; the steps it
+    chooses (serial first, then speculative once a step needed no clip) equal the serial ones."""
+    mesh = _mesh()
+    batch = _batch(mesh)
+    graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
+    params = nnx.as_pure(params)
+    tx = lwjax.layerwise_muon(params, mesh, config=lwjax.OptimizerConfig(pipeline_muon=True))
+    loss = lambda p: _loss(nnx.merge(graphdef, p), batch)  # noqa: E731
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, optax.tree.norm(grads)
+
+    state = tx.init(params)
+    assert not bool(state.speculate)  # a fresh state waits for the norm
+    for want in _reference_params(mesh, batch):
+        params, state, norm = step(params, state)
+        _close(params, want)
+        assert bool(state.speculate) == (float(norm) <= 1.0), float(norm)
+    assert bool(state.speculate)  # the MLP's norm stays under the clip: later steps speculated

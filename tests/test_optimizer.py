@@ -17,6 +17,7 @@ from lwjax.layout import POLICIES
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import ALONE_BUCKET_SIZE, OptimizerConfig, layerwise_muon
 from lwjax.schedule import schedule_buckets
+from lwjax.step import LayerwiseState
 from lwjax.train import make_train_step
 
 MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2)
@@ -96,7 +97,9 @@ def _step_fn(opt):
     return _STEPS[id(opt)][1]
 
 
-def run_sharded(opt, params, grads_per_step):
+def run_sharded(opt, params, grads_per_step, history=None):
+    """The last step's parameters, state and metrics; every step's metrics appended to
+    ``history`` if given."""
     dp = opt.mesh.shape["dp"]
     step = _step_fn(opt)
     state, params = opt.init(params), _replicated(opt, params)
@@ -104,6 +107,8 @@ def run_sharded(opt, params, grads_per_step):
         stacked = jax.tree.map(lambda *g: np.stack(g), *device_grads)
         stacked = jax.device_put(stacked, NamedSharding(opt.mesh, P("dp")))
         params, state, metrics = step(params, state, stacked)
+        if history is not None:
+            history.append(metrics)
         assert dp == len(device_grads)
     return params, state, metrics
 
@@ -350,6 +355,30 @@ def test_logical_state_of_bf16_params_is_lossless():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_logical_state_of_a_pipelined_optimizer_resets_its_speculation_flag():
+    """The flag is a guess, not state: to_logical drops it, from_logical starts it off, and
+    the restored state steps as the one it came from."""
+    from lwjax.logical import from_logical, to_logical
+
+    params, batch = _mlp_setup()
+    config = dataclasses.replace(CONFIG, pipeline_muon=True, clip_grad=100.0)  # never binds
+    opt = layerwise_muon(params, mesh_of(2), learning_rate=0.05, muon=MUON, config=config)
+    train_step = make_train_step(_mlp_loss, opt, donate=False)
+    state = opt.init(params)
+    params, state, _ = train_step(params, state, batch)
+    assert bool(state.speculate)
+    restored = from_logical(opt, to_logical(opt, state))
+    assert not bool(restored.speculate)
+    for x, y in zip(
+        jax.tree.leaves(state._replace(speculate=None)),
+        jax.tree.leaves(restored._replace(speculate=None)),
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    (p1, s1, m1), (p2, s2, m2) = (train_step(params, s, batch) for s in (state, restored))
+    assert bool(m1["speculated"]) and not bool(m2["speculated"])
+    _assert_same_steps((p1, s1), (p2, s2))
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelined):
     params = toy_params(layers=8)
@@ -371,25 +400,29 @@ def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelin
     assert paired, "the toy model should give the schedule gathers to pin"
     lines = text.splitlines()
     # All-gathers in program order: one per bucket, in the schedule's order (pipelined too: a
-    # recomputation under clipping redoes the directions only).
+    # recomputation under clipping redoes the directions only). With clipping the pipelined
+    # step is a conditional of the speculative and the serial step: each branch gathers so.
     gathers = [
         (n, re.match(r"\s*(%\S+) = \"?stablehlo\.all_gather", line).group(1))
         for n, line in enumerate(lines)
         if re.match(r"\s*%\S+ = \"?stablehlo\.all_gather", line)
     ]
-    assert len(gathers) == len(steps)
-    landed = {}
-    for n, line in enumerate(lines):
-        if "stablehlo.optimization_barrier" in line and n < gathers[-1][0]:
-            operands = set(re.findall(r"%[\w#.]+", line.split("optimization_barrier", 1)[1]))
-            for j, (_, name) in enumerate(gathers):
-                if name in operands:
-                    landed[j] = n
-    assert set(landed) == set(paired)
-    for j, during in paired.items():
-        # Pinned after the update that hides it (whose own gather comes next) and before the
-        # one after.
-        assert gathers[during][0] < landed[j] < gathers[during + 1][0]
+    branches = 2 if pipelined else 1
+    assert len(gathers) == branches * len(steps)
+    for b in range(branches):
+        own = gathers[b * len(steps) : (b + 1) * len(steps)]
+        landed = {}
+        for n, line in enumerate(lines):
+            if "stablehlo.optimization_barrier" in line and n < own[-1][0]:
+                operands = set(re.findall(r"%[\w#.]+", line.split("optimization_barrier", 1)[1]))
+                for j, (_, name) in enumerate(own):
+                    if name in operands:
+                        landed[j] = n
+        assert set(landed) == set(paired)
+        for j, during in paired.items():
+            # Pinned after the update that hides it (whose own gather comes next) and before
+            # the one after.
+            assert own[during][0] < landed[j] < own[during + 1][0]
 
 
 def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_recomputation_loop():
@@ -414,7 +447,8 @@ def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_reco
 def _serial_and_pipelined(
     params, grads, clip_grad=1.0, muon=MUON, matrix_convention="in_out", **routing
 ):
-    """The same steps with the serial and the pipelined step."""
+    """The same steps with the serial and the pipelined step: per step, ``(optimizer,
+    params, state, metrics, every step's metrics)``."""
     out = []
     for pipelined in (False, True):
         config = OptimizerConfig(
@@ -432,13 +466,29 @@ def _serial_and_pipelined(
             layout=LayoutConfig(bucket_size=2000),
             routing=RoutingRules(**routing),
         )
-        out.append((opt, *run_sharded(opt, params, grads)))
+        history = []
+        out.append((opt, *run_sharded(opt, params, grads, history), history))
     return out
+
+
+SPECULATION_METRICS = ("speculated", "recomputed")
+
+
+def _comparable(tree):
+    """A step's results without what only the pipelined step has: its speculation flag
+    and metrics."""
+    if isinstance(tree, LayerwiseState):
+        return tree._replace(speculate=None)
+    if isinstance(tree, dict) and "skipped" in tree:
+        return {k: v for k, v in tree.items() if k not in SPECULATION_METRICS}
+    return tree
 
 
 def _assert_same_steps(a, b):
     """The same state and parameters up to rounding: XLA may fuse (and so sum) a
     reduction differently."""
+    a, b = [_comparable(x) for x in a], [_comparable(x) for x in b]
+    assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(
             np.asarray(x), np.asarray(y), rtol=0, atol=1e-6 * np.max(np.abs(x))
@@ -446,45 +496,63 @@ def _assert_same_steps(a, b):
 
 
 def _scaled(grads, scale_of):
+    """``grads`` with each step's top-level key ``k`` scaled by ``scale_of(step, k)``."""
     return [
         [
-            {k: jax.tree.map(lambda g, k=k: g * np.float32(scale_of(k)), v) for k, v in d.items()}
+            {
+                k: jax.tree.map(lambda g, t=t, k=k: g * np.float32(scale_of(t, k)), v)
+                for k, v in d.items()
+            }
             for d in step
         ]
-        for step in grads
+        for t, step in enumerate(grads)
     ]
 
 
-# The toy's mean gradient has norm ~52 at scale 1. Each case: (scale per top-level key, norm groups,
-# whether the speculation fails and the layer-wise buckets are recomputed).
+IDLE, BINDS = 1e-3, 1.0  # The toy's mean gradient has norm ~52 at scale 1; the clip is 1.
+# Each case, over three steps: (scale per step and top-level key, norm groups, per step whether
+# the step speculated and whether that failed, so it recomputed the layer-wise buckets). A fresh
+# state does not speculate; a step speculates after one that needed no Muon clip.
 SPECULATION_CASES = {
-    "clip_not_binding": (lambda k: 1e-3, {}, False),
-    "clip_binding": (lambda k: 1.0, {}, True),
+    "clip_never_binds": (lambda t, k: IDLE, {}, [(0, 0), (1, 0), (1, 0)]),
+    "clip_binds_every_step": (lambda t, k: BINDS, {}, [(0, 0), (0, 0), (0, 0)]),
+    "clip_binds_after_idle_steps": (
+        lambda t, k: BINDS if t == 2 else IDLE,
+        {},
+        [(0, 0), (1, 0), (1, 1)],
+    ),
+    "clip_idle_after_binding": (
+        lambda t, k: BINDS if t == 0 else IDLE,
+        {},
+        [(0, 0), (0, 0), (1, 0)],
+    ),
     "only_a_muon_group_clips": (
-        lambda k: 1.0 if k == "layer3" else 1e-3,
+        lambda t, k: BINDS if (t, k) == (2, "layer3") else IDLE,
         {"layer3/*": "mtp"},
-        True,
+        [(0, 0), (1, 0), (1, 1)],
     ),
     "only_an_elementwise_group_clips": (
-        lambda k: 1.0 if k == "head" else 1e-3,
+        lambda t, k: BINDS if k == "head" else IDLE,
         {"head/*": "out"},
-        False,
+        [(0, 0), (1, 0), (1, 0)],
     ),
 }
 
 
 @pytest.mark.parametrize("case", SPECULATION_CASES)
 def test_pipelined_step_equals_the_serial_step(case):
-    scale_of, norm_groups, recomputed = SPECULATION_CASES[case]
+    scale_of, norm_groups, flags = SPECULATION_CASES[case]
     params = toy_params()
     grads = _scaled(random_grads(params, 4, 3), scale_of)
-    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(
+    (opt, p0, s0, m0, _), (_, p1, s1, m1, history) = _serial_and_pipelined(
         params, grads, grad_norm_group=norm_groups
     )
-    assert bool(m1.pop("recomputed")) == recomputed
-    assert (min(float(v) for k, v in m0.items() if k.startswith("clip_coef")) < 1) == (
-        case != "clip_not_binding"
+    assert [(int(m["speculated"]), int(m["recomputed"])) for m in history] == flags
+    # The flag the next step reads: whether this one needed no Muon clip.
+    muon_clipped = any(
+        float(v) < 1 for k, v in m1.items() if k.startswith("clip_coef") and k != "clip_coef/out"
     )
+    assert bool(s1.speculate) == (not muon_clipped)
     _assert_same_steps((p0, s0, m0), (p1, s1, m1))
     if not norm_groups:
         want = reference_run(
@@ -526,7 +594,7 @@ def test_serial_and_pipelined_steps_under_medium_precision_match_the_per_matrix_
         clip_grad=1.0,
         muon_config=muon,
     )
-    for pipelined, (opt, got, _, metrics) in zip((False, True), runs):
+    for pipelined, (opt, got, _, metrics, _) in zip((False, True), runs):
         assert ("recomputed" in metrics) == pipelined and not bool(metrics.get("recomputed", False))
         assert float(metrics["clip_coef"]) == 1.0
         for path, a, b, p in zip(
@@ -555,23 +623,25 @@ def test_pipelined_step_recomputes_each_layer_wise_bucket_in_its_own_loop():
 @pytest.mark.parametrize("clip_grad", [1.0, None])
 def test_pipelined_step_skips_nonfinite_gradients(clip_grad):
     params = toy_params()
-    grads = _scaled(random_grads(params, 4, steps=2, seed=5), lambda k: 1e-3)
+    grads = _scaled(random_grads(params, 4, steps=2, seed=5), lambda t, k: IDLE)
     grads[1][2]["layer1"]["up"][0, 0] = np.inf
-    (_, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=clip_grad)
+    (_, p0, s0, m0, _), (_, p1, s1, m1, _) = _serial_and_pipelined(
+        params, grads, clip_grad=clip_grad
+    )
     assert bool(m0["skipped"]) and bool(m1["skipped"])
-    assert not m1.get(
-        "recomputed", False
-    )  # the metric reports the clip; a skipped step's loops run anyway
+    if clip_grad:  # it speculated, and its loops ran to hand back the old momenta
+        assert bool(m1["speculated"]) and not bool(m1["recomputed"])
+        assert bool(s1.speculate)  # a skipped step keeps the guess
     _assert_same_steps((p0, s0), (p1, s1))
-    (_, p2, s2, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
+    (_, p2, s2, _, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
     _assert_same_steps((p1, s1), (p2, s2))  # the skipped step changed nothing
 
 
 def test_pipelined_step_without_clipping_matches_reference():
     params = toy_params()
     grads = random_grads(params, 4, steps=3)
-    (opt, p0, s0, m0), (_, p1, s1, m1) = _serial_and_pipelined(params, grads, clip_grad=None)
-    assert "recomputed" not in m1  # nothing to speculate on
+    (opt, p0, s0, m0, _), (_, p1, s1, m1, _) = _serial_and_pipelined(params, grads, clip_grad=None)
+    assert not set(SPECULATION_METRICS) & set(m1) and s1.speculate is None  # nothing to guess
     _assert_same_steps((p0, s0), (p1, s1))
     want = reference_run(
         params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=None, muon_config=MUON

@@ -234,7 +234,7 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
         "--pipeline-muon",
         action="store_true",
         help="lwjax's Newton-Schulz overlaps the reduce-scatters, speculating that clipping does "
-        "not bind (OptimizerConfig.pipeline_muon)",
+        "not bind after a step it did not bind (OptimizerConfig.pipeline_muon)",
     )
 
 
