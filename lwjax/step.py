@@ -81,7 +81,9 @@ class GradStats(NamedTuple):
 
     norms: jax.Array  # [groups]: L2 norm of each norm group, group 0 the main norm.
     coefs: jax.Array  # [groups]: clip coefficient of each group.
-    zeros: jax.Array  # shape=(), int32: zero gradient elements (padding excluded).
+    # shape=(), float32 as Megatron's count_zeros_fp32: zero gradient elements (padding
+    # excluded); exact below 2**24, and it never wraps as an int32 sum would past 2**31.
+    zeros: jax.Array
     finite: jax.Array  # shape=(), bool: every norm is finite (else the step is skipped).
     groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
 
@@ -213,7 +215,9 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     When a sum comes out infinite, the norms are computed again scaled by the
     largest magnitude :math:`m_k` (one more pass and two scalar collectives, only
     then): :math:`\lVert g_k \rVert = m_k \sqrt{\sum (g_i / m_k)^2}`, infinite
-    only when a gradient is. Padding is excluded from the zero count.
+    only when a gradient is. The zero count leaves out padding and is summed in
+    fp32, as Megatron's ``count_zeros_fp32`` does: exact below :math:`2^{24}`,
+    and with no int32 sum to wrap past :math:`2^{31}`.
     """
     groups = [
         [
@@ -246,14 +250,15 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
                     totals[group] = combine(totals[group], reduce(v))
         return jnp.stack([jnp.asarray(t, dtype) for t in totals])
 
-    zeros = 0
+    # Counted per bucket shard in int32 (exact: a bucket holds < 2**31 elements), summed in fp32.
+    zeros = jnp.zeros([], jnp.float32)
     for buffer, buckets, kept, rank in zip(plan.buffers, grad_shards, counted, ranks):
-        for x, c in zip(buckets, kept):
-            zeros = zeros + jnp.sum(x == 0 if c is True else (x == 0) & c, dtype=jnp.int32)
-        padding = [[sum(p[r] for p in buffer.padding)] for r in range(buffer.dp)]
-        zeros = zeros - shards.rank_row(padding, rank)[0]
+        for x, c, padding in zip(buckets, kept, buffer.padding):
+            count = jnp.sum(x == 0 if c is True else (x == 0) & c, dtype=jnp.int32)
+            count = count - shards.rank_row([[p] for p in padding], rank)[0]
+            zeros = zeros + count.astype(jnp.float32)
     sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
-    sums, zeros = lax.psum((sums, jnp.asarray(zeros, jnp.int32)), plan.axes.statistics)
+    sums, zeros = lax.psum((sums, zeros), plan.axes.statistics)
 
     def scaled_norms():
         peaks = per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum)

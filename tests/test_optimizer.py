@@ -973,7 +973,8 @@ def test_a_bucket_past_int32_offsets_is_refused():
 @pytest.mark.parametrize("pipeline_muon", [False, True])
 def test_a_step_over_more_than_2_31_elements_traces(pipeline_muon):
     """Regression: the update RMS divided by the parameter count, an int past int32 for
-    2**31 elements, overflowed while tracing (each bucket below the int32 limit)."""
+    2**31 elements, overflowed while tracing (each bucket below the int32 limit). The zero
+    count is summed in fp32 as Megatron's, so it cannot wrap as its int32 sum did."""
     opt = layerwise_muon(
         HUGE,
         mesh_of(1),
@@ -984,7 +985,8 @@ def test_a_step_over_more_than_2_31_elements_traces(pipeline_muon):
     assert jax.tree.map(lambda x: (x.shape, x.dtype), new) == jax.tree.map(
         lambda x: (x.shape, x.dtype), HUGE
     )
-    assert (metrics["update_rms"].shape, metrics["update_rms"].dtype) == ((), jnp.float32)
+    for name in ("update_rms", "num_zeros"):
+        assert (metrics[name].shape, metrics[name].dtype) == ((), jnp.float32), name
     updates, _ = jax.eval_shape(opt.update, HUGE, jax.eval_shape(opt.init, HUGE), HUGE)
     assert updates["w0"].shape == (2**15, 2**15)
 
