@@ -184,8 +184,8 @@ def test_moe_at_dp_x_ep_matches_unsharded_reference(dp, ep):
 
 @pytest.mark.parametrize(
     "clip_grad",
-    [CONFIG.clip_grad, 1e-3, 0.865],
-    ids=["clip_not_binding", "clip_binding", "clip_binding_first"],
+    [CONFIG.clip_grad, 0.865],  # 0.865 binds on the first step only: serial, serial, speculative
+    ids=["clip_not_binding", "clip_binding_first"],
 )
 def test_pipelined_step_is_the_serial_step_with_experts(clip_grad):
     opt, params, state, metrics = trained(4, 2, pipeline_muon=True, clip_grad=clip_grad)
