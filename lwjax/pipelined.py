@@ -39,6 +39,7 @@ from lwjax.step import (
     grad_statistics,
     muon_directions,
     reduce_scatter,
+    speculates,
     update_and_gather,
     update_with_stats,
     with_schedules_checked,
@@ -58,8 +59,14 @@ def update_pipelined(
     step keeps the old guess).
     """
     check_tree(plan, grads, "update(grads)")
-    if state.speculate is None:  # no clipping or no Muon: nothing to guess
+    if not speculates(plan):  # no clipping or no Muon: nothing to guess
         return speculative_update(plan, grads, state, params, reduced=reduced)[:3]
+    if state.speculate is None:
+        raise ValueError(
+            "update(state): this pipelined, clipping optimizer's state needs its speculation "
+            "flag (LayerwiseState.speculate, a bool scalar); got None. Build the state with "
+            "the optimizer's init or lwjax.from_logical."
+        )
 
     def speculative():
         new_params, new_state, metrics, stats = speculative_update(

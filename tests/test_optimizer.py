@@ -401,7 +401,8 @@ def test_each_gather_lands_before_the_update_after_the_one_that_hides_it(pipelin
     lines = text.splitlines()
     # All-gathers in program order: one per bucket, in the schedule's order (pipelined too: a
     # recomputation under clipping redoes the directions only). With clipping the pipelined
-    # step is a conditional of the speculative and the serial step: each branch gathers so.
+    # step is a conditional of the speculative and the serial step: each branch gathers so
+    # (the conditional prints its branches one after the other).
     gathers = [
         (n, re.match(r"\s*(%\S+) = \"?stablehlo\.all_gather", line).group(1))
         for n, line in enumerate(lines)
@@ -620,21 +621,40 @@ def test_pipelined_step_recomputes_each_layer_wise_bucket_in_its_own_loop():
     assert len(re.findall(r"= \"?stablehlo\.while", text)) == layer_wise
 
 
-@pytest.mark.parametrize("clip_grad", [1.0, None])
-def test_pipelined_step_skips_nonfinite_gradients(clip_grad):
+@pytest.mark.parametrize(
+    "clip_grad, first", [(1.0, IDLE), (1.0, BINDS), (None, IDLE)], ids=["idle", "binds", "no_clip"]
+)
+def test_pipelined_step_skips_nonfinite_gradients(clip_grad, first):
+    """A first step that clips or not, then one with an infinite gradient: skipped by the
+    speculative step (after an idle step: its loops hand back the old momenta) or by the
+    serial one (after a clipping step), which keeps the guess the first step left."""
     params = toy_params()
-    grads = _scaled(random_grads(params, 4, steps=2, seed=5), lambda t, k: IDLE)
+    grads = _scaled(
+        random_grads(params, 4, steps=2, seed=5), lambda t, k: first if t == 0 else IDLE
+    )
     grads[1][2]["layer1"]["up"][0, 0] = np.inf
-    (_, p0, s0, m0, _), (_, p1, s1, m1, _) = _serial_and_pipelined(
+    (_, p0, s0, m0, _), (_, p1, s1, m1, history) = _serial_and_pipelined(
         params, grads, clip_grad=clip_grad
     )
     assert bool(m0["skipped"]) and bool(m1["skipped"])
-    if clip_grad:  # it speculated, and its loops ran to hand back the old momenta
-        assert bool(m1["speculated"]) and not bool(m1["recomputed"])
-        assert bool(s1.speculate)  # a skipped step keeps the guess
+    if clip_grad:
+        assert (float(history[0]["clip_coef"]) < 1) == (first == BINDS)
+        speculated = first == IDLE
+        assert bool(m1["speculated"]) == speculated and not bool(m1["recomputed"])
+        assert bool(s1.speculate) == speculated  # the skipped step kept the guess
     _assert_same_steps((p0, s0), (p1, s1))
     (_, p2, s2, _, _), _ = _serial_and_pipelined(params, grads[:1], clip_grad=clip_grad)
     _assert_same_steps((p1, s1), (p2, s2))  # the skipped step changed nothing
+
+
+def test_pipelined_step_refuses_a_state_without_its_speculation_flag():
+    params = toy_params()
+    config = OptimizerConfig(clip_grad=1.0, pipeline_muon=True)
+    opt = layerwise_muon(params, mesh_of(4), muon=MUON, config=config)
+    grads = _stacked(opt, random_grads(params, 4, steps=1)[0])
+    state = opt.init(params)._replace(speculate=None)  # e.g. a serial optimizer's state
+    with pytest.raises(ValueError, match=r"LayerwiseState\.speculate"):
+        _step_fn(opt).lower(params, state, grads)
 
 
 def test_pipelined_step_without_clipping_matches_reference():

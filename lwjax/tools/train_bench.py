@@ -613,9 +613,10 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       device), ``loss`` of one more step after the timed ones,
       ``attention`` (``"cudnn"`` where the compiled step calls cuDNN's fused
       attention, else ``"xla"``), ``grad_norm`` of that step (lwjax contenders:
-      above ``clip_grad``, the clip bound, and a pipelined Muon step
-      recomputed its directions), and the settings (``warmup``: the untimed
-      calls each contender made first). The Muon
+      above ``clip_grad``, the clip bound, so a pipelined Muon step ran
+      serially, or recomputed its directions if the step before did not clip),
+      and the settings (``warmup``: the untimed calls each contender made
+      first). The Muon
       record adds ``muon_overhead_pct``: per other contender,
       :math:`100\\,(t_\\text{Muon} / t - 1)`. With ``megatron_script``,
       Megatron-Core's contenders follow each dp size's (:func:`megatron_train_records`,
