@@ -150,9 +150,19 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         tables, bucket schedule and options.
       mesh: The device mesh.
       axis: Name of the data-parallel mesh axis.
-      local_update: ``(grads, state, params) -> (params, state, metrics)``;
-        call it inside ``shard_map`` over :attr:`data_axes` with this device's
-        local gradients and parameters (expert leaves local, see ``param_specs``).
+      local_update: ``(grads, state, params, *, gather=True) -> (params, state,
+        metrics)``; call it inside ``shard_map`` over :attr:`data_axes` with
+        this device's local gradients and parameters (expert leaves local, see
+        ``param_specs``).
+        With ``gather=False`` it returns ``None`` for the parameters and leaves
+        their gather to the next step's :attr:`local_params`.
+      local_params: ``state -> params``, inside ``shard_map`` as
+        :attr:`local_update`: the parameters the state's masters hold, every
+        bucket cast to the parameter dtype and all-gathered.
+      gather_params: ``state -> params`` on global arrays (jitted): the
+        parameter pytree of a state, e.g. for evaluation or a checkpoint when
+        the training step keeps only the state
+        (``make_train_step(..., overlap_param_gather=True)``).
       state_specs: ``PartitionSpec`` pytree of the state, for ``shard_map``.
       expert_axis: Name of the expert-parallel mesh axis, or ``None``.
       tensor_axis: Name of the tensor-parallel mesh axis (or a tuple of them), or ``None``.
@@ -166,6 +176,8 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
     mesh: Mesh
     axis: str
     local_update: Callable
+    local_params: Callable
+    gather_params: Callable
     state_specs: LayerwiseState
     expert_axis: str | None
     tensor_axis: str | tuple[str, ...] | None
@@ -180,6 +192,8 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         mesh: Mesh,
         axis: str,
         local_update: Callable,
+        local_params: Callable,
+        gather_params: Callable,
         state_specs: LayerwiseState,
         expert_axis: str | None = None,
         tensor_axis: str | tuple[str, ...] | None = None,
@@ -188,6 +202,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         self = super().__new__(cls, init, update)
         self.plan, self.mesh, self.axis = plan, mesh, axis
         self.local_update, self.state_specs = local_update, state_specs
+        self.local_params, self.gather_params = local_params, gather_params
         self.expert_axis, self.tensor_axis = expert_axis, tensor_axis
         self.param_specs = param_specs
         return self
@@ -391,6 +406,12 @@ def layerwise_muon(
     state_specs = _state_specs(plan)
     local_update = pipelined.update_pipelined if config.pipeline_muon else step_lib.update
     init, update = transform.optax_functions(plan, mesh, leaf_specs, state_specs, local_update)
+    local_params = functools.partial(step_lib.local_params, plan)
+    gather_params = jax.jit(
+        jax.shard_map(
+            local_params, mesh=mesh, in_specs=(state_specs,), out_specs=param_specs, check_vma=False
+        )
+    )
     return LayerwiseOptimizer(
         init,
         update,
@@ -398,6 +419,8 @@ def layerwise_muon(
         mesh=mesh,
         axis=axis,
         local_update=functools.partial(local_update, plan),
+        local_params=local_params,
+        gather_params=gather_params,
         state_specs=state_specs,
         expert_axis=expert_axis,
         tensor_axis=tensor_axis,

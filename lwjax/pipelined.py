@@ -47,7 +47,7 @@ from lwjax.step import (
 
 
 def update_pipelined(
-    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False
+    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False, gather=True
 ):
     """:func:`lwjax.step.update` with each Muon bucket's directions computed as its shard arrives.
 
@@ -60,7 +60,7 @@ def update_pipelined(
     """
     check_tree(plan, grads, "update(grads)")
     if not speculates(plan):  # no clipping or no Muon: nothing to guess
-        return speculative_update(plan, grads, state, params, reduced=reduced)[:3]
+        return speculative_update(plan, grads, state, params, reduced=reduced, gather=gather)[:3]
     if state.speculate is None:
         raise ValueError(
             "update(state): this pipelined, clipping optimizer's state needs its speculation "
@@ -70,14 +70,14 @@ def update_pipelined(
 
     def speculative():
         new_params, new_state, metrics, stats = speculative_update(
-            plan, grads, state, params, reduced=reduced
+            plan, grads, state, params, reduced=reduced, gather=gather
         )
         clipped = muon_clipped(plan, stats)
         return new_params, new_state, metrics, clipped, clipped
 
     def serial():
         new_params, new_state, metrics, stats = update_with_stats(
-            plan, grads, state, params, reduced=reduced
+            plan, grads, state, params, reduced=reduced, gather=gather
         )
         return new_params, new_state, metrics, muon_clipped(plan, stats), jnp.asarray(False)
 
@@ -97,7 +97,7 @@ def muon_clipped(plan: StepPlan, stats: GradStats) -> jax.Array:
 
 
 def speculative_update(
-    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False
+    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False, gather=True
 ):
     """The step with every Muon direction started before the norm; returns
     :func:`lwjax.step.update`'s results and the step's :class:`GradStats`."""
@@ -114,9 +114,10 @@ def speculative_update(
     checked = bool(plan.config.clip_grad and directions)
     if checked:  # the speculation kept where it held, else each bucket's directions computed again
         directions = keep_or_redo(plan, directions, state, grad_shards, ranks, stats)
-    # 4-5. Each owned shard updated with its directions, cast, and gathered; 6. unpacked.
+    # 4-5. Each owned shard updated with its directions, cast, and gathered; 6. unpacked (the
+    # last two with gather).
     new = update_and_gather(
-        plan, state, grad_shards, ranks, stats, directions, momentum_final=checked
+        plan, state, grad_shards, ranks, stats, directions, momentum_final=checked, gather=gather
     )
     return *finish(plan, state, params, new, stats), stats
 

@@ -128,7 +128,7 @@ def init(plan: StepPlan, params) -> LayerwiseState:
     )
 
 
-def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: bool = False):
+def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False, gather=True):
     """One step of this device: ``(grads, state, params) -> (params, state, metrics)``.
 
     Args:
@@ -139,26 +139,34 @@ def update(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced: boo
       reduced: ``grads`` are already the gradients of the global mean loss,
         the same on every device (the optax form: GSPMD reduced them); each
         device then takes its shards instead of reduce-scattering.
+      gather: Gather the new parameters (phases 5–6). With ``False`` the step
+        stops after the update and returns ``None`` for the parameters; the
+        next step rebuilds them from the masters (:func:`local_params`) where
+        its forward pass needs them, as Megatron's ``--overlap-param-gather``.
 
     Returns:
-      The new parameters, state and metrics (``grad_norm``, ``clip_coef``,
-      ``num_zeros``, ``update_rms``, ``skipped``, and per separate norm group
-      ``grad_norm/<group>``, ``clip_coef/<group>``).
+      The new parameters (``None`` without ``gather``), state and metrics
+      (``grad_norm``, ``clip_coef``, ``num_zeros``, ``update_rms``,
+      ``skipped``, and per separate norm group ``grad_norm/<group>``,
+      ``clip_coef/<group>``).
     """
     check_tree(plan, grads, "update(grads)")
-    return update_with_stats(plan, grads, state, params, reduced=reduced)[:3]
+    return update_with_stats(plan, grads, state, params, reduced=reduced, gather=gather)[:3]
 
 
-def update_with_stats(plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False):
+def update_with_stats(
+    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False, gather=True
+):
     """:func:`update`'s phases; returns its results and the step's :class:`GradStats`."""
     ranks = device_ranks(plan)
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over a group's devices.
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
-    # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered, in order.
-    new = update_and_gather(plan, state, grad_shards, ranks, stats)
-    # 6. The gathered buckets unpacked into parameters.
+    # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered (with
+    # gather), in order.
+    new = update_and_gather(plan, state, grad_shards, ranks, stats, gather=gather)
+    # 6. The gathered buckets unpacked into parameters (with gather).
     return *finish(plan, state, params, new, stats), stats
 
 
@@ -354,6 +362,7 @@ def update_and_gather(
     stats: GradStats,
     directions=None,
     momentum_final: bool = True,
+    gather: bool = True,
 ):
     """Phases 4–5, bucket by bucket in the schedule's order: new masters, moments, gathered buckets.
 
@@ -363,7 +372,8 @@ def update_and_gather(
     ``(buffer, bucket)`` to Muon directions computed earlier (by
     :func:`lwjax.pipelined.update_pipelined`), whose momentum is final after
     the finite check if ``momentum_final``. Returns ``(masters, moments,
-    gathered, delta_sq)``, the last the sum of squared master changes.
+    gathered, delta_sq)``, the last the sum of squared master changes;
+    ``gathered`` is ``None`` without ``gather`` (phase 4 alone).
     """
     rates = (
         plan.learning_rate(state.count),
@@ -381,6 +391,7 @@ def update_and_gather(
     for t, step in enumerate(steps):
         i, k = step.buffer, step.bucket
         due = [(steps[j].buffer, steps[j].bucket) for j in plan.schedule.lands_before(t)]
+        due = due if gather else []
         own = (directions or {}).get((i, k))
         # The bucket waits for the previous update; the gathers due by now land first.
         inputs = (masters[i][k], moments[i][k], grad_shards[i][k], own)
@@ -393,12 +404,38 @@ def update_and_gather(
             plan, i, k, master, moment, grad, own, ranks[i], stats, rates, momentum_final
         )
         delta_sq += d
-        buffer = plan.buffers[i]
-        previous = masters[i][k].astype(buffer.key.param_dtype)
-        gathered[i][k] = shards.gather_bucket(
-            previous, plan.axes.of(buffer.key), ranks[i], buffer.dp, plan.config.param_sync
-        )
-    return masters, moments, gathered, delta_sq
+        previous = masters[i][k]
+        if gather:
+            previous = previous.astype(plan.buffers[i].key.param_dtype)
+            gathered[i][k] = gather_shard(plan, i, previous, ranks[i])
+    return masters, moments, gathered if gather else None, delta_sq
+
+
+def gather_shard(plan: StepPlan, i: int, shard: jax.Array, rank) -> jax.Array:
+    """Phase 5 of one bucket of buffer ``i``: every device's shard of it (already cast to
+    the parameter dtype) on every device."""
+    buffer = plan.buffers[i]
+    return shards.gather_bucket(
+        shard, plan.axes.of(buffer.key), rank, buffer.dp, plan.config.param_sync
+    )
+
+
+def local_params(plan: StepPlan, state: LayerwiseState):
+    """Phases 5–6 alone: this device's parameters as the state's masters hold them.
+
+    Every bucket is cast, gathered and unpacked, with no order imposed: inside
+    a training step XLA may run each gather under the forward pass of the
+    layers before the first one that reads it. The result equals what
+    :func:`update` returned with the step that wrote these masters, and the
+    initial parameters too where the masters hold them exactly (fp32 masters
+    of fp32, bf16 or fp16 parameters do).
+    """
+    ranks = device_ranks(plan)
+    gathered = [
+        tuple(gather_shard(plan, i, m.astype(b.key.param_dtype), ranks[i]) for m in masters)
+        for i, (b, masters) in enumerate(zip(plan.buffers, state.masters))
+    ]
+    return unpack(plan, gathered)
 
 
 def update_bucket(
@@ -543,7 +580,8 @@ def _is_zero(value) -> bool:
 
 
 def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats):
-    """Phase 6: the new state, the gathered buckets unpacked into parameters, and the metrics."""
+    """Phase 6: the new state, the gathered buckets unpacked into parameters (``None``
+    where nothing was gathered), and the metrics."""
     masters, moments, gathered, delta_sq = new
     new_state = LayerwiseState(
         jnp.where(stats.finite, state.count + 1, state.count),
@@ -555,9 +593,11 @@ def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats)
     # A float: a model of 2**31 elements or more overflows a traced int32.
     real_numel = float(sum(math.prod(r.shape) for r in plan.routes))
     update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.statistics) / real_numel)
-    new_params = unpack(
-        plan, [tuple(g) for g in gathered], dtypes=[x.dtype for x in jax.tree.leaves(params)]
-    )
+    new_params = None
+    if gathered is not None:
+        new_params = unpack(
+            plan, [tuple(g) for g in gathered], dtypes=[x.dtype for x in jax.tree.leaves(params)]
+        )
     metrics = {
         "grad_norm": stats.norms[0],
         "clip_coef": stats.coefs[0],

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.plan import as_axis_tuple
+from lwjax.step import LayerwiseState
 
 
 def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=()) -> Callable:
@@ -94,6 +95,7 @@ def make_train_step(
     mutable: bool = False,
     rng: bool = False,
     accumulate: int = 1,
+    overlap_param_gather: bool = False,
 ) -> Callable:
     """Build ``train_step(params, state, [model_state,] batch[, key])``, jitted.
 
@@ -123,6 +125,18 @@ def make_train_step(
       micro-batches on the leading axis and sums their gradients (in fp32)
       before one optimizer step; the loss, ``aux`` and gradients are their
       means, and the model state is threaded through them in order.
+    * ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``): the
+      step ends with the new state and gathers no parameters; the next step
+      all-gathers each bucket from the masters at its start
+      (``optimizer.local_params``), and XLA's scheduler may run each gather
+      under the forward pass of the layers before the first one that reads
+      it. The step is then ``train_step(state, [model_state,] batch[, key])
+      -> (state, [model_state,] metrics)``, and
+      ``optimizer.gather_params(state)`` returns the parameters (evaluation,
+      checkpoints). It computes what the default step computes (the
+      parameters are the masters cast to the parameter dtype either way);
+      only the first step differs, where the masters cannot hold the initial
+      parameters exactly (``master_dtype`` narrower than them).
 
     With an expert axis, ``loss_fn`` sees the device's local experts (expert
     leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
@@ -138,10 +152,13 @@ def make_train_step(
       mutable: ``loss_fn`` takes and returns model state.
       rng: ``train_step`` takes a PRNG key for ``loss_fn``.
       accumulate: Micro-batches per device and step.
+      overlap_param_gather: Gather the parameters at the start of the next
+        step, under its forward pass; the step takes and returns no parameters.
 
     Returns:
       ``train_step(params, state, [model_state,] batch[, key]) -> (params,
-      state, [model_state,] metrics)``. ``metrics`` holds the mean ``loss``,
+      state, [model_state,] metrics)`` (without ``params`` in and out with
+      ``overlap_param_gather``). ``metrics`` holds the mean ``loss``,
       ``step`` (applied steps after this one) and the optimizer's metrics
       (``grad_norm``, ``clip_coef``, ``num_zeros``, ``update_rms``,
       ``skipped``, and ``grad_norm/<group>``, ``clip_coef/<group>`` per
@@ -199,8 +216,12 @@ def make_train_step(
     def local_step(params, state, model_state, batch, key):
         if key is not None:
             key = jax.random.fold_in(jax.random.fold_in(key, state.count), lax.axis_index(axes))
+        if overlap_param_gather:
+            params = optimizer.local_params(state)
         loss, grads, model_state, aux = gradients(params, model_state, batch, key)
-        params, state, metrics = optimizer.local_update(grads, state, params)
+        params, state, metrics = optimizer.local_update(
+            grads, state, params, gather=not overlap_param_gather
+        )
         metrics = {"loss": lax.pmean(loss, axes), "step": state.count, **metrics}
         if has_aux:
             metrics["aux"] = jax.tree.map(lambda x: lax.pmean(x, axes), aux)
@@ -211,23 +232,41 @@ def make_train_step(
             )
         return params, state, model_state, metrics
 
-    step = jit_shard_map(
-        local_step,
-        mesh,
-        (param_specs, optimizer.state_specs, P(), P(axes), P()),
-        (param_specs, optimizer.state_specs, P(), P()),
-        donate_argnums=(0, 1, 2) if donate else (),
-    )
+    if overlap_param_gather:  # the state alone in and out: the parameters live in its masters
+        step = jit_shard_map(
+            lambda *args: local_step(None, *args)[1:],
+            mesh,
+            (optimizer.state_specs, P(), P(axes), P()),
+            (optimizer.state_specs, P(), P()),
+            donate_argnums=(0, 1) if donate else (),
+        )
+    else:
+        step = jit_shard_map(
+            local_step,
+            mesh,
+            (param_specs, optimizer.state_specs, P(), P(axes), P()),
+            (param_specs, optimizer.state_specs, P(), P()),
+            donate_argnums=(0, 1, 2) if donate else (),
+        )
     param_shardings = named_shardings(mesh, param_specs)
     replicated = NamedSharding(mesh, P())
+    leading = ("state",) if overlap_param_gather else ("params", "state")
 
-    def train_step(params, state, *args):
-        expected = 1 + mutable + rng
-        if len(args) != expected:
-            names = ["model_state"] * mutable + ["batch"] + ["key"] * rng
+    def train_step(*args):
+        names = [*leading, *["model_state"] * mutable, "batch", *["key"] * rng]
+        signature = (
+            f"train_step takes ({', '.join(names)}) with mutable={mutable}, rng={rng}, "
+            f"overlap_param_gather={overlap_param_gather}"
+        )
+        if len(args) != len(names):
+            raise TypeError(f"{signature}; got {len(args)} arguments.")
+        if overlap_param_gather:
+            args = (None, *args)
+        params, state, *args = args
+        if not isinstance(state, LayerwiseState):
             raise TypeError(
-                f"train_step takes (params, state, {', '.join(names)}) with mutable={mutable}, "
-                f"rng={rng}; got {2 + len(args)} arguments."
+                f"{signature}; its argument 'state' must be the optimizer's LayerwiseState, "
+                f"got {type(state).__name__}."
             )
         model_state = args[0] if mutable else None
         batch = args[int(mutable)]
@@ -239,15 +278,13 @@ def make_train_step(
                     f"and not be empty; "
                     f"got shape {tuple(leaf.shape)}."
                 )
+        rest = (state, jax.device_put(model_state, replicated), batch, key)
+        if overlap_param_gather:
+            state, model_state, metrics = step(*rest)
+            return (state, model_state, metrics) if mutable else (state, metrics)
         # Parameters handed in on one device are placed on the mesh first (a no-op for the
         # step's own outputs), so the step compiles once, not again for its own outputs.
-        params, state, model_state, metrics = step(
-            jax.device_put(params, param_shardings),
-            state,
-            jax.device_put(model_state, replicated),
-            batch,
-            key,
-        )
+        params, state, model_state, metrics = step(jax.device_put(params, param_shardings), *rest)
         return (params, state, model_state, metrics) if mutable else (params, state, metrics)
 
     return train_step

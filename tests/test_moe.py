@@ -102,7 +102,13 @@ def mesh_of(dp, ep):
 
 @functools.cache
 def trained(
-    dp, ep, param_sync="all_gather", pipeline_muon=False, clip_grad=CONFIG.clip_grad, seed=3
+    dp,
+    ep,
+    param_sync="all_gather",
+    pipeline_muon=False,
+    clip_grad=CONFIG.clip_grad,
+    seed=3,
+    overlap_param_gather=False,
 ):
     params = moe_params()
     config = OptimizerConfig(
@@ -122,11 +128,21 @@ def trained(
         layout=LayoutConfig(bucket_size=1500),
         routing=RoutingRules(**ROUTING),
     )
-    step = make_train_step(functools.partial(moe_loss, ep_axis="ep"), opt, donate=False)
+    step = make_train_step(
+        functools.partial(moe_loss, ep_axis="ep"),
+        opt,
+        donate=False,
+        overlap_param_gather=overlap_param_gather,
+    )
     state, metrics = opt.init(params), []
     for batch in batches(seed=seed):
-        params, state, m = step(params, state, batch)
+        if overlap_param_gather:  # the parameters live in the state's masters between steps
+            state, m = step(state, batch)
+        else:
+            params, state, m = step(params, state, batch)
         metrics.append(jax.device_get(m))
+    if overlap_param_gather:
+        params = opt.gather_params(state)
     return opt, params, state, metrics
 
 
@@ -209,6 +225,29 @@ def test_pipelined_step_is_the_serial_step_with_experts(clip_grad, seed, clips, 
         np.testing.assert_allclose(m["grad_norm"], w["grad_norm"], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "param_sync, pipeline_muon, clip_grad, seed",
+    [("all_gather", False, CONFIG.clip_grad, 3), ("broadcast", True, 0.78, 7)],
+    ids=["serial", "broadcast_pipelined_binds_idles_binds"],
+)
+def test_overlapped_param_gather_is_bitwise_the_default_step(
+    param_sync, pipeline_muon, clip_grad, seed
+):
+    """The step that gathers each bucket at the start of the next step, experts local over
+    ``ep``: parameters (``gather_params``, expert leaves split over ``ep``), state and metrics
+    bitwise the default step's, which the test above holds against the reference."""
+    run = functools.partial(
+        trained, 4, 2, param_sync, pipeline_muon=pipeline_muon, clip_grad=clip_grad, seed=seed
+    )
+    _, want_params, want_state, want_metrics = run()
+    _, params, state, metrics = run(overlap_param_gather=True)
+    assert params["layer0"]["experts"]["up"].sharding.spec == P("ep")
+    for got, want in [(params, want_params), (state, want_state), (metrics, want_metrics)]:
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_broadcast_param_sync_is_bitwise_the_all_gather():
     _, p_gather, s_gather, _ = trained(4, 2)
     _, p_bcast, s_bcast, _ = trained(4, 2, "broadcast")
@@ -256,12 +295,10 @@ def test_bad_expert_setup_gets_clear_errors():
     # (expert_dp = dp).
     opt = layerwise_muon(params, dense_mesh, routing=RoutingRules(**ROUTING))
     assert {b.key.is_expert_parallel: b.dp for b in opt.plan.buffers} == {False: 4, True: 4}
-    train_step = make_train_step(
-        moe_loss,
-        layerwise_muon(params, mesh_of(2, 4), expert_axis="ep", routing=RoutingRules(**ROUTING)),
-    )
+    opt = layerwise_muon(params, mesh_of(2, 4), expert_axis="ep", routing=RoutingRules(**ROUTING))
+    train_step = make_train_step(moe_loss, opt)
     with pytest.raises(
         ValueError,
         match=r"leading axis must divide by dp\*ep=8 \(dp=2, ep=4\) .*; got shape \(12,\)",
     ):
-        train_step(params, None, (np.zeros(12, np.int32), np.zeros(12, np.int32)))
+        train_step(params, opt.init(params), (np.zeros(12, np.int32), np.zeros(12, np.int32)))

@@ -157,7 +157,8 @@ def test_whole_matrix_modes_match_the_unsharded_reference(mesh_name, mode, scale
 
 def test_optax_update_matches_the_step_with_metrics():
     """``opt.update`` under plain ``jax.jit`` (reduced gradients, sharded global arrays) gives the
-    parameters the step gives, and keeps each leaf's sharding."""
+    parameters the step gives, and keeps each leaf's sharding; so does ``gather_params`` of the
+    step's new state, bit for bit."""
     mesh = MESHES["dp4xtp2"]()
     params, specs = _model()
     sharded = _put(params, specs, mesh)
@@ -166,10 +167,13 @@ def test_optax_update_matches_the_step_with_metrics():
     grads = _put(_grads(params, 3), specs, mesh)
     updates, _ = jax.jit(opt.update)(grads, state, sharded)
     new = jax.tree.map(lambda p, u: p + u, sharded, updates)
-    expected, _, _ = _metrics_step(opt)(grads, state, sharded)
+    expected, new_state, _ = _metrics_step(opt)(grads, state, sharded)
+    gathered = opt.gather_params(new_state)  # the parameters a state holds, each block split
     for k in params:
         np.testing.assert_allclose(np.asarray(new[k]), np.asarray(expected[k]), atol=1e-6)
         assert new[k].sharding.spec == NamedSharding(mesh, specs[k]).spec, k
+        assert np.asarray(gathered[k]).tobytes() == np.asarray(expected[k]).tobytes(), k
+        assert gathered[k].sharding.spec == NamedSharding(mesh, specs[k]).spec, k
 
 
 def _mlp_loss(p, batch):

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from lwjax import RoutingRules
 from lwjax.logical import to_logical
 from lwjax.megatron.gpt import tree_from_keys
-from lwjax.megatron.model import init_params
+from lwjax.megatron.model import init_params, unstack_layers
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon, named_shardings
 from lwjax.tools import train_bench as tb
@@ -207,6 +207,45 @@ def test_optax_form_step_at_dp4_is_the_per_device_step(per_device, lwjax_step_at
     )
     _assert_trees_close(got, want, 1e-5, where=where)
     assert int(got_state.count) == int(want_state.count) == 1
+
+
+def test_overlapped_gather_takes_the_dp4_step(lwjax_step_at_dp4):
+    """The gather-in-forward contender's step (parameters gathered from the masters at its
+    start, none at its end) is bitwise lwjax's own."""
+    params, batch, opt, _, want, want_state = lwjax_step_at_dp4
+    state, _, _ = tb.lwjax_step(CFG.loss(), opt, overlap_param_gather=True)(opt.init(params), batch)
+    got, want = (opt.gather_params(state), state), (want, want_state)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_unrolled_layers_take_the_stacked_step_at_dp4():
+    """Two layers unstacked (one leaf per layer's parameter, the layers run in a loop): each
+    layer is a Muon matrix of its own and the step is the stacked model's, layer by layer."""
+    cfg = dataclasses.replace(CFG, layers=2)
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    params = init_params(cfg.model(), jax.random.key(2))
+    mesh = mesh_of(4)
+    batch = tb.synthetic_batch(mesh, cfg.micro_batch, cfg.seq_len, cfg.model().vocab_size, seed=2)
+    copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (the steps donate)
+    opt = tb.lwjax_optimizer(params, mesh, cfg)
+    want, *_ = tb.lwjax_step(cfg.loss(), opt)(copy(), opt.init(params), batch)
+    layers = unstack_layers(copy())
+    opt = tb.lwjax_optimizer(layers, mesh, unrolled)
+    routes = {r.path: r for r in opt.plan.routes}
+    assert sum(r.is_muon for r in opt.plan.routes) == 4 * 2
+    assert routes["decoder/layers/1/self_attention/linear_qkv/weight"].qkv_split_shapes
+    got, *_ = tb.lwjax_step(unrolled.loss(), opt)(layers, opt.init(layers), batch)
+    stack = lambda *xs: jnp.stack(xs)  # noqa: E731
+    got["decoder"]["layers"] = jax.tree.map(stack, *got["decoder"]["layers"])
+    where = _adam_well_conditioned(jax.grad(cfg.loss())(params, np.asarray(batch)))
+    where = [np.ones(m.shape, bool) if m.ndim > 2 else m for m in jax.tree.leaves(where)]
+    _assert_trees_close(got, want, 1e-5, where=where)
+    first, second = (
+        np.asarray(want["decoder"]["layers"]["mlp"]["linear_fc2"]["weight"][i]) for i in (0, 1)
+    )
+    assert np.abs(first - second).max() > 1e-3  # a swap of the two layers would show
 
 
 # Fully sharded: every parameter split over the 4 devices of an ("dp", "fsdp") = (1, 4) mesh.
@@ -405,6 +444,28 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
 
 
+def test_cli_overlapped_gather_trains_as_the_default_step_with_unrolled_layers(tmp_path, capsys):
+    """--overlap-param-gather --no-scan-layers --profile: the gather-in-forward contenders
+    train bitwise as lwjax's own (the same loss and gradient norm after the same steps), each
+    Muon against its own AdamW; the trace runs (empty on CPU)."""
+    argv = "bench --train-step --workload small --layers 2 --dp 2 --seq-len 16 --micro-batch 1"
+    argv += " --iters 1 --warmup 1 --no-baselines --overlap-param-gather --no-scan-layers"
+    code = main([*argv.split(), "--profile", str(tmp_path / "trace"), "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    records = {r["contender"]: r for r in json.loads((tmp_path / "bench.json").read_text())}
+    assert list(records) == [
+        tb.MUON, tb.MUON_OVERLAP, tb.ADAMW_SHARDED, tb.ADAMW_OVERLAP, tb.FORWARD_BACKWARD
+    ]  # fmt: skip
+    for default, overlapped in [(tb.MUON, tb.MUON_OVERLAP), (tb.ADAMW_SHARDED, tb.ADAMW_OVERLAP)]:
+        for key in ("loss", "grad_norm"):
+            assert records[overlapped][key] == records[default][key] > 0
+    assert set(records[tb.MUON]["muon_overhead_pct"]) == {tb.ADAMW_SHARDED}
+    assert set(records[tb.MUON_OVERLAP]["muon_overhead_pct"]) == {tb.ADAMW_OVERLAP}
+    assert all(r["scan_layers"] is False and r["profile"] == {} for r in records.values())
+    assert tb.ADAMW_OVERLAP in out
+
+
 def test_cli_fsdp_train_step_keeps_a_quarter_of_the_model_per_device(capsys):
     """--train-step --fsdp at 4 devices: lwjax's fully sharded contenders only, each device
     holding a quarter of the bf16 parameters and of the fp32 state."""
@@ -470,8 +531,8 @@ def _run_recorded(cfg, monkeypatch):
     def optimizer(*args, muon=True, **kwargs):
         opt = lwjax_optimizer(*args, muon=muon, **kwargs)
 
-        def update(grads, state, params):
-            new_params, new_state, metrics = opt.local_update(grads, state, params)
+        def update(grads, state, params, **options):
+            new_params, new_state, metrics = opt.local_update(grads, state, params, **options)
             speculates.add((muon, "recomputed" in metrics))
             return new_params, new_state, metrics
 
@@ -514,24 +575,31 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and a["grad_norm"] > 0
 
 
+ONLY_TRAIN_STEP = (
+    "lwjax bench: --seq-len, --micro-batch, --remat, --fsdp, --overlap-param-gather and "
+    "--no-scan-layers apply to --train-step only."
+)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        ("bench --seq-len 16", ONLY_TRAIN_STEP),
+        ("bench --fsdp", ONLY_TRAIN_STEP),
+        ("bench --overlap-param-gather", ONLY_TRAIN_STEP),
+        ("bench --no-scan-layers", ONLY_TRAIN_STEP),
         (
-            "bench --seq-len 16",
-            "lwjax bench: --seq-len, --micro-batch, --remat and --fsdp apply to --train-step only.",
-        ),
-        (
-            "bench --fsdp",
-            "lwjax bench: --seq-len, --micro-batch, --remat and --fsdp apply to --train-step only.",
+            "bench --train-step --fsdp --no-baselines --overlap-param-gather",
+            "lwjax bench: TrainBenchConfig.fsdp needs overlap_param_gather=False and "
+            "scan_layers=True",
         ),
         (
             "bench --train-step --fsdp",  # baselines on by default: they replicate the model
             "lwjax bench: TrainBenchConfig.fsdp times lwjax's fully sharded steps only",
         ),
         (
-            "bench --train-step --profile /tmp/x",
-            "lwjax bench: --profile and --grad-std apply to the optimizer step only",
+            "bench --train-step --grad-std 0.1",
+            "lwjax bench: --grad-std applies to the optimizer step only",
         ),
         (
             "bench --train-step --micro-batch 0",
@@ -541,8 +609,11 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
     ids=[
         "seq_len_without_train_step",
         "fsdp_without_train_step",
+        "overlap_without_train_step",
+        "unrolled_without_train_step",
+        "fsdp_with_overlap",
         "fsdp_with_baselines",
-        "profile_with_train_step",
+        "grad_std_with_train_step",
         "micro_batch_zero",
     ],
 )

@@ -183,3 +183,56 @@ def test_an_empty_batch_is_refused():
     empty = (batch[0][:0], batch[1][:0])
     with pytest.raises(ValueError, match=r"batch\[0\]: leading axis .* not be empty; got shape"):
         lwjax.make_train_step(_mse, opt)(params, opt.init(params), empty)
+
+
+def _bytes(x) -> bytes:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x).tobytes()
+
+
+def test_overlapped_param_gather_is_the_default_step_with_model_state_keys_and_micro_batches():
+    """``overlap_param_gather``: the step keeps only the state and gathers the parameters from
+    its masters at the start of the next step. With bf16 parameters, BatchNorm statistics,
+    dropout keys, aux and two micro-batches, ``gather_params`` of its state, the state, the
+    model state and the metrics are bitwise those of the default step."""
+    model = _BatchNormMLP(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, rest, batch, key):
+        model = nnx.merge(graphdef, params, rest)
+        nnx.reseed(model, dropout=key)
+        x, y = batch
+        logits = model(x.astype(jnp.bfloat16)).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, (nnx.state(model, nnx.Not(nnx.Param)), {"logit_mean": jnp.mean(logits)})
+
+    options = dict(mutable=True, rng=True, has_aux=True, accumulate=2)
+    default = lwjax.make_train_step(loss_fn, opt, **options)
+    overlapped = lwjax.make_train_step(loss_fn, opt, overlap_param_gather=True, **options)
+    batch, initial = _shifted_batch(), jax.device_get(params)
+    s_o, r_o = opt.init(params), jax.tree.map(jnp.copy, rest)  # the default step donates
+    p, s, r = params, opt.init(params), rest
+    for i in range(3):
+        key = jax.random.key(i)
+        p, s, r, m = default(p, s, r, batch, key)
+        s_o, r_o, m_o = overlapped(s_o, r_o, batch, key)
+        assert jax.tree.structure(m_o) == jax.tree.structure(m)
+        for a, b in zip(jax.tree.leaves((s_o, r_o, m_o)), jax.tree.leaves((s, r, m)), strict=True):
+            assert _bytes(a) == _bytes(b)
+    gathered = opt.gather_params(s_o)
+    assert jax.tree.structure(gathered) == jax.tree.structure(p)
+    for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(p), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert all(np.any(a != b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(initial)))
+    with pytest.raises(
+        TypeError, match=r"takes \(state, model_state, batch, key\) .*overlap_param_gather=True"
+    ):
+        overlapped(p, s_o, r_o, batch, key)
+    # The default step's arguments, as many as the overlapped step takes with rng off.
+    plain = lwjax.make_train_step(loss_fn, opt, overlap_param_gather=True, mutable=True)
+    with pytest.raises(TypeError, match="argument 'state' must be the optimizer's LayerwiseState"):
+        plain(p, s_o, r_o)

@@ -228,16 +228,19 @@ class GPTConfig:
             )
         return config
 
-    def routing_rules(self, *, muon: bool = True) -> RoutingRules:
+    def routing_rules(self, *, muon: bool = True, stacked: bool = True) -> RoutingRules:
         """The :class:`~lwjax.routing.RoutingRules` of this tree for :func:`lwjax.layerwise_muon`.
 
         Args:
           muon: Route the decoder matrices to Muon (Megatron's ``dist_muon``);
             ``False`` routes every parameter to the elementwise optimizer
             (Adam).
+          stacked: The layers are stacked ``[L, ...]`` (Megatron's tree);
+            ``False``: a list of per-layer trees
+            (:func:`lwjax.megatron.model.unstack_layers`).
         """
         return RoutingRules(
-            stacked={"decoder/layers/*": 1},
+            stacked={"decoder/layers/*": 1} if stacked else None,
             qkv_split={"*linear_qkv/weight": self.qkv_split_shapes} if muon else None,
             is_muon=None if muon else (lambda name, shape: False),
             tied={"embedding/word_embeddings/weight": True} if self.tied_embeddings else None,

@@ -6,8 +6,9 @@ pre-norm blocks of RMSNorm, causal grouped-query attention with rotary
 embeddings (Megatron's non-interleaved rotate-half) over the fused,
 per-query-group ``linear_qkv`` rows, and a SwiGLU MLP whose ``linear_fc1`` is
 ``[gate; up]``. Weights are stored ``[out, in]`` as Megatron stores them; the
-layers are stacked ``[L, ...]`` and run by ``lax.scan``, optionally
-rematerialised per layer.
+layers are stacked ``[L, ...]`` and run by ``lax.scan``, or given as a list of
+per-layer trees (:func:`unstack_layers`) and run one after the other,
+optionally rematerialised per layer.
 
 Numerics ``"lwjax"`` (the default, used by the benchmarks). Parameters are
 cast to ``dtype`` and the activations stay in it; RMSNorm, the rotary
@@ -375,12 +376,36 @@ def _megatron_logits(params, tokens, config: GPTConfig, dtype, attention: str, r
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
     x = _round(_megatron_embed(embedding, tokens, dtype), dtype)
-    x, _ = lax.scan(body, x, params["decoder"]["layers"])
+    x = _run_layers(body, x, params["decoder"]["layers"])
     x = _megatron_rms_norm(
         x, params["decoder"]["final_layernorm"]["weight"], config.norm_epsilon, dtype
     )
     output = embedding if config.tied_embeddings else params["output_layer"]["weight"]
     return _matmul("bth,vh->btv", x, output, dtype)
+
+
+def _run_layers(body, x, layers):
+    """``body`` over the layers: scanned over stacked ``[L, ...]`` leaves, or one call per
+    layer of a list of per-layer trees (:func:`unstack_layers`)."""
+    if isinstance(layers, (list, tuple)):
+        for p in layers:
+            x, _ = body(x, p)
+        return x
+    return lax.scan(body, x, layers)[0]
+
+
+def unstack_layers(params: Mapping) -> dict:
+    """``params`` with ``decoder/layers`` as a list of per-layer trees instead of stacked leaves.
+
+    The forward pass then runs the layers one after the other instead of in a
+    scan, and each layer's parameters are leaves of their own, so a layer-wise
+    optimizer buckets them layer by layer (route them with
+    ``GPTConfig.routing_rules(stacked=False)``).
+    """
+    layers = params["decoder"]["layers"]
+    count = len(jax.tree.leaves(layers)[0])
+    unstacked = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(count)]
+    return {**params, "decoder": {**params["decoder"], "layers": unstacked}}
 
 
 @jax.custom_vjp
@@ -422,7 +447,8 @@ def gpt_logits(
     """Logits ``[batch, seq, vocab]`` (float32) of the GPT for integer ``tokens [batch, seq]``.
 
     Args:
-      params: The GPT tree (:meth:`GPTConfig.param_shapes`, nested).
+      params: The GPT tree (:meth:`GPTConfig.param_shapes`, nested), its
+        layers stacked or a list (:func:`unstack_layers`).
       tokens: Token ids ``[batch, seq]``.
       config: The GPT's shape.
       dtype: Compute dtype of weights and activations (see the module docstring).
@@ -436,7 +462,7 @@ def gpt_logits(
         gradients that agree with a Megatron run at the same weights; the
         logits are then ``dtype`` values returned as float32.
       gather: ``tree -> tree``, called on each layer's parameters inside the
-        scan (inside the rematerialised body with ``remat``) and on the other
+        scan or loop (inside the rematerialised body with ``remat``) and on the other
         parameters, after the cast to ``dtype`` and before their use
         (``"lwjax"`` numerics only). Fully sharded data parallelism passes an
         all-gather of each device's blocks inside ``shard_map``: one layer is
@@ -457,7 +483,7 @@ def gpt_logits(
     implementation = attention_implementation(attention, dtype)
     gather = gather or (lambda tree: tree)
     params = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), params)
-    layers = params["decoder"]["layers"]  # gathered one at a time, in the scan
+    layers = params["decoder"]["layers"]  # gathered one at a time, in the scan or loop
     params = gather({**params, "decoder": {**params["decoder"], "layers": None}})
     cos, sin = rope_tables(tokens.shape[1], config.head_dim, config.rotary_base)
     embedding = params["embedding"]["word_embeddings"]["weight"]
@@ -468,7 +494,7 @@ def gpt_logits(
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    x, _ = lax.scan(body, x, layers)
+    x = _run_layers(body, x, layers)
     x = rms_norm(x, params["decoder"]["final_layernorm"]["weight"], config.norm_epsilon)
     output = embedding if config.tied_embeddings else params["output_layer"]["weight"]
     return jnp.einsum("bth,vh->btv", x, output, preferred_element_type=jnp.float32)

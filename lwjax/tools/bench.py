@@ -252,8 +252,10 @@ def workload_optimizer(
     pipeline_muon: bool = False,
     tensor_axis: str | None = None,
     tp_mode: str = "duplicated",
+    stacked: bool = True,
 ) -> LayerwiseOptimizer:
-    """lwjax's optimizer for a workload: layers stacked, Megatron's ``[out, in]``, QKV split.
+    """lwjax's optimizer for a workload: layers stacked (``stacked=False``: a list of
+    per-layer trees), Megatron's ``[out, in]``, QKV split.
 
     With ``muon=False`` every leaf goes to the elementwise Adam (ZeRO-1 AdamW:
     the same reduce-scatter, clip and all-gather, no Newton–Schulz). With
@@ -274,7 +276,7 @@ def workload_optimizer(
             pipeline_muon=pipeline_muon,
         ),
         layout=LayoutConfig(policy=policy, bucket_size=bucket_size),
-        routing=config.routing_rules(muon=muon),
+        routing=config.routing_rules(muon=muon, stacked=stacked),
     )
 
 

@@ -229,7 +229,8 @@ def print_train_bench(records: Sequence[dict]) -> None:
     out.print(rows)
     out.print(
         "[dim]optimizer ms: step ms minus forward+backward's; Muon overhead: lwjax Muon's step "
-        "time over this row's, minus 1 (Megatron's rows: Megatron's Muon over its Adam); "
+        "time over this row's, minus 1 (a gather-in-forward AdamW row: Muon's with the same "
+        "gathers; Megatron's rows: Megatron's Muon over its Adam); "
         "memory: XLA's estimate for the compiled step "
         "(arguments + outputs - donated + temporaries), Megatron's measured peak.[/]"
     )

@@ -7,7 +7,8 @@ parallel over a 1-D mesh axis ``dp``, and reports Muon's overhead over AdamW.
 Model. Megatron-Core's GPT of :mod:`lwjax.megatron.model` (the one the
 Megatron import runs) over the tree of the workload's
 :class:`~lwjax.megatron.gpt.GPTConfig` (:data:`lwjax.tools.bench.WORKLOADS`):
-weights ``[out, in]``, layers stacked and scanned (optionally rematerialised),
+weights ``[out, in]``, layers stacked and scanned, or with ``scan_layers=False``
+a list of per-layer trees run one after the other (optionally rematerialised),
 parameters and activations in ``param_dtype``, fp32 norms, rotary embeddings,
 softmax and logits for the mean next-token cross-entropy.
 
@@ -28,6 +29,11 @@ parameters and optimizer state donated:
   quo);
 * ``forward+backward``: loss and gradients only, no communication and no
   optimizer; each contender's ``optimizer_ms`` is its step time minus this one.
+
+With ``overlap_param_gather`` two more contenders run lwjax Muon and lwjax
+AdamW as ``make_train_step(..., overlap_param_gather=True)`` does: the step
+keeps only the state, and all-gathers every bucket from the masters at the
+start of the next step, where XLA may run each gather under the forward pass.
 
 Fully sharded (``fsdp``): the mesh is ``("dp", "fsdp") = (1, n)``, every
 parameter split over ``fsdp`` on its last axis (:func:`fsdp_specs`) and the
@@ -63,12 +69,13 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.layout import DEFAULT_POLICY
 from lwjax.megatron.gpt import GPTConfig, tree_from_keys
-from lwjax.megatron.model import gpt_loss, init_params
+from lwjax.megatron.model import gpt_loss, init_params, unstack_layers
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings, state_shardings
 from lwjax.tools.bench import (
     WARMUP_STEPS,
     WORKLOADS,
     pgle,
+    profile_steps,
     run_torch_script,
     time_steps,
     warmup_calls,
@@ -85,6 +92,8 @@ MUON_FSDP = "lwjax Muon (FSDP)"
 ADAMW_FSDP = "lwjax AdamW (FSDP)"
 MUON_OPTAX = "lwjax Muon, optax form (jax.grad)"
 MUON_OPTAX_PER_DEVICE = "lwjax Muon, optax form (lwjax.value_and_grad)"
+MUON_OVERLAP = "lwjax Muon, gather in forward"
+ADAMW_OVERLAP = "lwjax AdamW (ZeRO-1), gather in forward"
 FORWARD_BACKWARD = "forward+backward"
 FSDP_AXIS = "fsdp"
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
@@ -98,6 +107,9 @@ MEGATRON_CONTENDERS = {
     "fwd_bwd": "Megatron-Core forward+backward",
 }
 OPTAX_FORM_CONTENDERS = (MUON_OPTAX, MUON_OPTAX_PER_DEVICE)
+PROFILED_STEPS = 3  # traced after the timed ones, with profile_dir
+# The contenders timed with lwjax_step, which also returns the gradient norm.
+LWJAX_STEPS = (MUON, ADAMW_SHARDED, MUON_OVERLAP, ADAMW_OVERLAP, MUON_FSDP, ADAMW_FSDP)
 
 # (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the
 # small one CPU-sized.
@@ -168,6 +180,16 @@ class TrainBenchConfig:
       fsdp: Split every parameter over the ``dp`` devices (an ``fsdp`` mesh
         axis, see the module docstring) instead of replicating it: lwjax Muon,
         lwjax AdamW and forward+backward, fully sharded.
+      overlap_param_gather: Also time lwjax Muon and lwjax AdamW with the
+        parameters gathered at the start of the next step (see the module
+        docstring).
+      scan_layers: Stack the layers and scan them; ``False``: one leaf per
+        layer's parameter, the layers run one after the other
+        (:func:`lwjax.megatron.model.unstack_layers`), every contender alike.
+      profile_dir: Also trace a few steps of every contender there (GPU), and
+        record device 0's kernel time per kind and how much of the
+        communication ran beside compute
+        (:func:`lwjax.tools.bench.profile_steps`).
     """
 
     workload: str = "small"
@@ -194,6 +216,9 @@ class TrainBenchConfig:
     seed: int = 0
     megatron_script: str | None = None
     fsdp: bool = False
+    overlap_param_gather: bool = False
+    scan_layers: bool = True
+    profile_dir: str | None = None
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -218,6 +243,13 @@ class TrainBenchConfig:
             for name in ("baselines", "optax_form", "megatron_script")
             if getattr(self, name)
         }
+        if self.fsdp and not (self.scan_layers and not self.overlap_param_gather):
+            raise ValueError(
+                "TrainBenchConfig.fsdp needs overlap_param_gather=False and scan_layers=True "
+                "(its steps gather each layer of the stacked, scanned model in the forward "
+                f"pass already); got overlap_param_gather={self.overlap_param_gather!r}, "
+                f"scan_layers={self.scan_layers!r}."
+            )
         if self.fsdp and replicating:
             raise ValueError(
                 "TrainBenchConfig.fsdp times lwjax's fully sharded steps only; turn off "
@@ -279,10 +311,13 @@ def lwjax_optimizer(
         clip_grad=cfg.clip_grad,
         pipeline_muon=cfg.pipeline_muon,
         tensor_axis=FSDP_AXIS if cfg.fsdp else None,
+        stacked=cfg.scan_layers,
     )
 
 
-def lwjax_step(loss, optimizer: LayerwiseOptimizer, *, fsdp: bool = False):
+def lwjax_step(
+    loss, optimizer: LayerwiseOptimizer, *, fsdp: bool = False, overlap_param_gather=False
+):
     """``step(params, state, batch) -> (params, state, loss, grad_norm)``.
 
     Local gradients go into ``optimizer.local_update``, which takes each
@@ -292,17 +327,31 @@ def lwjax_step(loss, optimizer: LayerwiseOptimizer, *, fsdp: bool = False):
     the ``n`` devices' gradients into each block: divided by ``n``, the
     gradient of the mean loss. ``params`` (split as ``optimizer.param_specs``
     says) and ``state`` are donated; ``batch`` is split over the data axes
-    on its leading axis.
+    on its leading axis. With ``overlap_param_gather`` the step is
+    ``step(state, batch) -> (state, loss, grad_norm)``: it gathers the
+    parameters from the masters first and none at the end.
     """
     data_axes = (optimizer.axis, FSDP_AXIS) if fsdp else optimizer.axis
     fsdp_size = optimizer.mesh.shape[FSDP_AXIS] if fsdp else 1
 
     def local(params, state, batch):
+        if overlap_param_gather:
+            params = optimizer.local_params(state)
         value, grads = jax.value_and_grad(loss)(params, batch)
         grads = jax.tree.map(lambda g: g / fsdp_size, grads) if fsdp else grads
-        params, state, metrics = optimizer.local_update(grads, state, params)
+        params, state, metrics = optimizer.local_update(
+            grads, state, params, gather=not overlap_param_gather
+        )
         return params, state, lax.pmean(value, data_axes), metrics["grad_norm"]
 
+    if overlap_param_gather:
+        return jit_shard_map(
+            lambda state, batch: local(None, state, batch)[1:],
+            optimizer.mesh,
+            (optimizer.state_specs, P(data_axes)),
+            (optimizer.state_specs, P(), P()),
+            donate_argnums=(0,),
+        )
     specs = optimizer.param_specs
     return jit_shard_map(
         local,
@@ -541,25 +590,37 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
         return _measure(name, cfg, mesh, batch, step, args)
     loss = cfg.loss()
     if name in (MUON, ADAMW_SHARDED):
-        params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
+        params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON)
         step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
+    elif name in (MUON_OVERLAP, ADAMW_OVERLAP):
+        params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
+        optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON_OVERLAP)
+        step = lwjax_step(loss, optimizer, overlap_param_gather=True)
+        args = (optimizer.init(params),)
+        del params  # the state's masters hold the parameters
     elif name in (MUON_OPTAX, MUON_OPTAX_PER_DEVICE):
-        params = _replicated(init_params(config, key, cfg.param_dtype), mesh)
+        params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg)
         per_device = name == MUON_OPTAX_PER_DEVICE
         step = lwjax_optax_step(loss, optimizer, per_device=per_device)
         args = (params, optimizer.init(params))
     elif name == ADAMW_REPLICATED:
-        params = _replicated(init_params(config, key, "float32"), mesh)
+        params = _replicated(_init_params(cfg, key, "float32"), mesh)
         tx = optax_adamw(cfg)
         step, args = optax_step(loss, tx, mesh), (params, _replicated(tx.init(params), mesh))
     else:
         step, args = (
             forward_backward_step(loss, mesh),
-            (_replicated(init_params(config, key, cfg.param_dtype), mesh),),
+            (_replicated(_init_params(cfg, key, cfg.param_dtype), mesh),),
         )
     return _measure(name, cfg, mesh, batch, step, args)
+
+
+def _init_params(cfg: TrainBenchConfig, key, dtype) -> dict:
+    """The workload's initial parameters, their layers stacked or (``scan_layers=False``) a list."""
+    params = init_params(cfg.model(), key, dtype)
+    return params if cfg.scan_layers else unstack_layers(params)
 
 
 def _measure(name: str, cfg: TrainBenchConfig, mesh, batch, step, args) -> dict:
@@ -575,19 +636,22 @@ def _measure(name: str, cfg: TrainBenchConfig, mesh, batch, step, args) -> dict:
     # executable compiled above only gives the memory figures then.
     run = step if cfg.pgle else compiled
     warmup = warmup_calls(cfg.warmup, cfg.pgle)
+    n = len(args)  # (params, state), the state alone, or forward+backward's params
+    if name == FORWARD_BACKWARD:
+        fn, args = (lambda p, out: (p, run(p, batch))), (*args, None)
+    else:
+        fn = lambda *a: run(*a, batch)[:n]  # noqa: E731
     with pgle() if cfg.pgle else contextlib.nullcontext():
-        if name == FORWARD_BACKWARD:
-            seconds, (params, _) = time_steps(
-                lambda p, out: (p, run(p, batch)), (*args, None), cfg.iters, warmup
-            )
-            record["state_bytes_per_device"] = bytes_per_device(params)
-        else:
-            seconds, args = time_steps(lambda p, s: run(p, s, batch)[:2], args, cfg.iters, warmup)
-            record["state_bytes_per_device"] = bytes_per_device(args)
+        seconds, args = time_steps(fn, args, cfg.iters, warmup)
+        if cfg.profile_dir:
+            directory = f"{cfg.profile_dir}/{re.sub('[^a-z0-9]+', '_', name.lower()).strip('_')}"
+            record["profile"], args = profile_steps(fn, args, PROFILED_STEPS, directory)
+        record["state_bytes_per_device"] = bytes_per_device(args[:n])
+        if name != FORWARD_BACKWARD:
             out = run(*args, batch)
-            record["loss"] = float(out[2])
-            if name in (MUON, ADAMW_SHARDED, MUON_FSDP, ADAMW_FSDP):
-                record["grad_norm"] = float(out[3])  # above clip_grad: clipping bound
+            record["loss"] = float(out[n])
+            if name in LWJAX_STEPS:
+                record["grad_norm"] = float(out[n + 1])  # above clip_grad: clipping bound
     record["step_ms"] = seconds * 1e3
     stats = mesh.devices.flat[0].memory_stats()  # None on CPU
     record["peak_bytes_so_far"] = stats.get("peak_bytes_in_use") if stats else None
@@ -615,8 +679,9 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       attention, else ``"xla"``), ``grad_norm`` of that step (lwjax contenders:
       above ``clip_grad``, the clip bound, so a pipelined Muon step ran
       serially, or recomputed its directions if the step before did not clip),
-      and the settings (``warmup``: the untimed calls each contender made
-      first). The Muon
+      ``profile`` (with ``profile_dir``: :func:`lwjax.tools.bench.profile_steps`'s
+      summary of device 0's kernels; empty without a GPU), and the settings
+      (``warmup``: the untimed calls each contender made first). The Muon
       record adds ``muon_overhead_pct``: per other contender,
       :math:`100\\,(t_\\text{Muon} / t - 1)`. With ``megatron_script``,
       Megatron-Core's contenders follow each dp size's (:func:`megatron_train_records`,
@@ -636,7 +701,9 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     names = [
         muon,
         *(OPTAX_FORM_CONTENDERS if cfg.optax_form else ()),
+        *([MUON_OVERLAP] if cfg.overlap_param_gather else []),
         ADAMW_FSDP if cfg.fsdp else ADAMW_SHARDED,
+        *([ADAMW_OVERLAP] if cfg.overlap_param_gather else []),
         *([ADAMW_REPLICATED] if cfg.baselines else []),
         FORWARD_BACKWARD,
     ]
@@ -676,6 +743,8 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             replicated_bytes=numel * (jnp.dtype(cfg.param_dtype).itemsize + 4),
             model_flops_per_token=flops_per_token,
             pipeline_muon=cfg.pipeline_muon,
+            overlap_param_gather=cfg.overlap_param_gather,
+            scan_layers=cfg.scan_layers,
             pgle=cfg.pgle,
             iters=cfg.iters,
             warmup=warmup_calls(cfg.warmup, cfg.pgle),
@@ -694,8 +763,15 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             rows[name]["optimizer_ms"] = rows[name]["step_ms"] - floor_ms
         muon_ms = rows[muon]["step_ms"]
         rows[muon]["muon_overhead_pct"] = {
-            n: 100 * (muon_ms / rows[n]["step_ms"] - 1) for n in names[1:-1] if "Muon" not in n
+            n: 100 * (muon_ms / rows[n]["step_ms"] - 1)
+            for n in names[1:-1]
+            if "Muon" not in n and n != ADAMW_OVERLAP
         }
+        if cfg.overlap_param_gather:  # against AdamW with the same gathers
+            rows[MUON_OVERLAP]["muon_overhead_pct"] = {
+                ADAMW_OVERLAP: 100
+                * (rows[MUON_OVERLAP]["step_ms"] / rows[ADAMW_OVERLAP]["step_ms"] - 1)
+            }
         for name in OPTAX_FORM_CONTENDERS:
             if name in rows:  # the optax form against make_train_step's per-device step
                 rows[name]["vs_lwjax_step_pct"] = 100 * (rows[name]["step_ms"] / muon_ms - 1)

@@ -23,15 +23,24 @@ TP_MODES = ("duplicated", "distributed", "blockwise")
 def _cmd_bench(args: argparse.Namespace) -> int:
     """Time lwjax's optimizer step (or, with --train-step, a training step) and its baselines."""
     if args.train_step:
-        if args.profile or args.grad_std is not None:
+        if args.grad_std is not None:
             raise ValueError(
-                "--profile and --grad-std apply to the optimizer step only; drop "
-                "them with --train-step."
+                "--grad-std applies to the optimizer step only; drop it with --train-step."
             )
         if (args.tp, args.tp_mode) != (1, None):
             raise ValueError("--tp and --tp-mode apply to the optimizer step only.")
-    elif (args.seq_len, args.micro_batch, args.remat, args.fsdp) != (None, None, False, False):
-        raise ValueError("--seq-len, --micro-batch, --remat and --fsdp apply to --train-step only.")
+    elif (
+        args.seq_len,
+        args.micro_batch,
+        args.remat,
+        args.fsdp,
+        args.overlap_param_gather,
+        args.scan_layers,
+    ) != (None, None, False, False, False, True):
+        raise ValueError(
+            "--seq-len, --micro-batch, --remat, --fsdp, --overlap-param-gather and "
+            "--no-scan-layers apply to --train-step only."
+        )
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer; got {args.tp}.")
     if not args.json:
@@ -93,6 +102,9 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         optax_form=args.optax_form,
         megatron_script=args.megatron,
         fsdp=args.fsdp,
+        overlap_param_gather=args.overlap_param_gather,
+        scan_layers=args.scan_layers,
+        profile_dir=args.profile,
     )
     records = run_train_bench(config)
     if not _emit_records(args, records):
@@ -215,7 +227,8 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="DIR",
-        help="trace lwjax steps into DIR and summarise kernels",
+        help="trace lwjax steps (with --train-step: every JAX contender's) into DIR and "
+        "summarise kernels",
     )
     p.add_argument(
         "--pgle",
@@ -273,6 +286,20 @@ def _add_train_step_flags(p: argparse.ArgumentParser) -> None:
         help="with --train-step: split every parameter over the dp devices (fully sharded: "
         "each layer gathered for its forward, gradients reduce-scattered in the backward) "
         "instead of replicating it; lwjax contenders only (add --no-baselines)",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="with --train-step: also time lwjax Muon and AdamW with each step's parameter "
+        "all-gather moved to the start of the next step, under its forward pass "
+        "(make_train_step(..., overlap_param_gather=True))",
+    )
+    p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --train-step: stack the layers and scan them (default); --no-scan-layers "
+        "gives every layer its own leaves and runs the layers one after the other",
     )
     p.add_argument(
         "--optax-form",
