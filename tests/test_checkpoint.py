@@ -130,6 +130,33 @@ def test_resume_at_same_dp_is_bitwise_identical_and_async_save_completes(tmp_pat
     _assert_trees_equal(resumed, straight)
 
 
+def test_a_state_only_step_saves_gathered_params_and_resumes_bitwise_at_another_dp(tmp_path):
+    """``overlap_param_gather``: the step keeps only the state. Saved with ``gather_params``,
+    restored at dp 2, the restored state alone resumes training as the uninterrupted run at
+    dp 2 does, and its parameters are the saved ones (bf16 parameters from fp32 masters)."""
+    params, batch = _setup(jnp.bfloat16)
+    a, b = _optimizer(params, 4, "ns_cost"), _optimizer(params, 2, "ns_cost")
+    step_a = make_train_step(_loss, a, donate=False, overlap_param_gather=True)
+    state = a.init(params)
+    for _ in range(2):
+        state, _ = step_a(state, batch)
+    saved = a.gather_params(state)
+    checkpoint.save(tmp_path / "ckpt", saved, state, a)
+    restored_params, restored = checkpoint.restore(tmp_path / "ckpt", b)
+    _assert_trees_equal(b.gather_params(restored), saved)
+    _assert_trees_equal(restored_params, saved)
+    step_b = make_train_step(_loss, b, donate=False, overlap_param_gather=True)
+    resumed, direct = restored, from_logical(b, to_logical(a, state))
+    for _ in range(2):
+        resumed, _ = step_b(resumed, batch)
+        direct, _ = step_b(direct, batch)
+    _assert_trees_equal(b.gather_params(resumed), b.gather_params(direct))
+    _assert_trees_equal(to_logical(b, resumed), to_logical(b, direct))
+    assert not np.array_equal(
+        np.asarray(b.gather_params(resumed)["w1"], np.float32), np.asarray(saved["w1"], np.float32)
+    )
+
+
 _INTERRUPTED = textwrap.dedent("""
     import os, signal, sys
     os.environ["JAX_PLATFORMS"] = "cpu"
