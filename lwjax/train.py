@@ -251,13 +251,13 @@ def make_train_step(
     param_shardings = named_shardings(mesh, param_specs)
     replicated = NamedSharding(mesh, P())
     leading = ("state",) if overlap_param_gather else ("params", "state")
+    names = [*leading, *["model_state"] * mutable, "batch", *["key"] * rng]
+    signature = (
+        f"train_step takes ({', '.join(names)}) with mutable={mutable}, rng={rng}, "
+        f"overlap_param_gather={overlap_param_gather}"
+    )
 
     def train_step(*args):
-        names = [*leading, *["model_state"] * mutable, "batch", *["key"] * rng]
-        signature = (
-            f"train_step takes ({', '.join(names)}) with mutable={mutable}, rng={rng}, "
-            f"overlap_param_gather={overlap_param_gather}"
-        )
         if len(args) != len(names):
             raise TypeError(f"{signature}; got {len(args)} arguments.")
         if overlap_param_gather:

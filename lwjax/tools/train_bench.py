@@ -243,7 +243,7 @@ class TrainBenchConfig:
             for name in ("baselines", "optax_form", "megatron_script")
             if getattr(self, name)
         }
-        if self.fsdp and not (self.scan_layers and not self.overlap_param_gather):
+        if self.fsdp and (self.overlap_param_gather or not self.scan_layers):
             raise ValueError(
                 "TrainBenchConfig.fsdp needs overlap_param_gather=False and scan_layers=True "
                 "(its steps gather each layer of the stacked, scanned model in the forward "
@@ -589,16 +589,12 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
             args = (params, optimizer.init(params))
         return _measure(name, cfg, mesh, batch, step, args)
     loss = cfg.loss()
-    if name in (MUON, ADAMW_SHARDED):
+    if name in (MUON, ADAMW_SHARDED, MUON_OVERLAP, ADAMW_OVERLAP):
+        overlap = name in (MUON_OVERLAP, ADAMW_OVERLAP)  # the state's masters hold the params
         params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
-        optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON)
-        step, args = lwjax_step(loss, optimizer), (params, optimizer.init(params))
-    elif name in (MUON_OVERLAP, ADAMW_OVERLAP):
-        params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
-        optimizer = lwjax_optimizer(params, mesh, cfg, muon=name == MUON_OVERLAP)
-        step = lwjax_step(loss, optimizer, overlap_param_gather=True)
-        args = (optimizer.init(params),)
-        del params  # the state's masters hold the parameters
+        optimizer = lwjax_optimizer(params, mesh, cfg, muon=name in (MUON, MUON_OVERLAP))
+        step = lwjax_step(loss, optimizer, overlap_param_gather=overlap)
+        args = (optimizer.init(params),) if overlap else (params, optimizer.init(params))
     elif name in (MUON_OPTAX, MUON_OPTAX_PER_DEVICE):
         params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg)
