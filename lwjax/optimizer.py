@@ -82,7 +82,8 @@ class OptimizerConfig:
         otherwise the step is the serial one): it computes the directions
         again where the speculation fails (``metrics["recomputed"]``), so a
         step that clips right after one that did not runs momentum and
-        Newton–Schulz twice. It pays off for the optimizer step alone under
+        Newton–Schulz twice. ``make_train_step`` makes that choice on the host
+        (:mod:`lwjax.speculation`). It pays off for the optimizer step alone under
         XLA's profile-guided scheduling while clipping is idle; see
         ``docs/configuration.md`` for what was measured.
     """

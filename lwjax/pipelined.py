@@ -18,7 +18,10 @@ clip (``LayerwiseState.speculate``) and otherwise runs the serial step: one
 Clipping holds for runs of steps (early in training most steps clip, later
 few do), so only a step whose clip differs from its predecessor's is guessed
 wrong: one that clips after one that did not runs Newton–Schulz twice, one
-that does not clip after one that did runs serially.
+that does not clip after one that did runs serially. The conditional itself
+costs up to a millisecond or so on GPU; a caller that chooses on the host
+(:class:`lwjax.speculation.HostSpeculation`) passes ``speculate`` and
+compiles each branch as a step of its own.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ from lwjax.step import (
 
 
 def update_pipelined(
-    plan: StepPlan, grads, state: LayerwiseState, params, *, reduced=False, gather=True
+    plan: StepPlan,
+    grads,
+    state: LayerwiseState,
+    params,
+    *,
+    reduced=False,
+    gather=True,
+    speculate: bool | None = None,
 ):
     """:func:`lwjax.step.update` with each Muon bucket's directions computed as its shard arrives.
 
@@ -57,6 +67,11 @@ def update_pipelined(
     the speculation failed and the directions were computed again. The new
     state's ``speculate`` is whether this step needed no Muon clip (a skipped
     step keeps the old guess).
+
+    ``speculate`` (a Python bool) overrides the guess: the step is then the
+    speculative or the serial step alone, without the conditional, and the
+    caller has chosen on the host (:class:`lwjax.speculation.HostSpeculation`).
+    Either choice gives the serial step's results up to rounding.
     """
     check_tree(plan, grads, "update(grads)")
     if not speculates(plan):  # no clipping or no Muon: nothing to guess
@@ -81,12 +96,17 @@ def update_pipelined(
         )
         return new_params, new_state, metrics, muon_clipped(plan, stats), jnp.asarray(False)
 
-    new_params, new_state, metrics, clipped, failed = lax.cond(state.speculate, speculative, serial)
+    if speculate is None:
+        speculated = state.speculate
+        new_params, new_state, metrics, clipped, failed = lax.cond(speculated, speculative, serial)
+    else:
+        speculated = jnp.asarray(bool(speculate))
+        new_params, new_state, metrics, clipped, failed = speculative() if speculate else serial()
     finite = jnp.logical_not(metrics["skipped"])
     new_state = new_state._replace(
         speculate=jnp.where(finite, jnp.logical_not(clipped), state.speculate)
     )
-    metrics = {**metrics, "speculated": state.speculate, "recomputed": failed}
+    metrics = {**metrics, "speculated": speculated, "recomputed": failed}
     return new_params, new_state, metrics
 
 

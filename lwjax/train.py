@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.plan import as_axis_tuple
-from lwjax.step import LayerwiseState
+from lwjax.speculation import chosen_on_host
+from lwjax.step import LayerwiseState, speculates
 
 
 def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=()) -> Callable:
@@ -138,6 +139,14 @@ def make_train_step(
       only the first step differs, where the masters cannot hold the initial
       parameters exactly (``master_dtype`` narrower than them).
 
+    With ``OptimizerConfig(pipeline_muon=True)`` and clipping, ``train_step``
+    chooses on the host whether each step speculates
+    (:mod:`lwjax.speculation`): from the flag of the step before last, so
+    that it never waits for the step in flight, and each choice is a
+    compiled step of its own, without a conditional. The second one compiles
+    the first time it is chosen. A ``train_step`` traced inside your own
+    ``jax.jit`` runs the one compiled step with its conditional instead.
+
     With an expert axis, ``loss_fn`` sees the device's local experts (expert
     leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
     and exchanges tokens over ``ep`` itself, e.g. ``all_gather`` of the tokens,
@@ -213,14 +222,15 @@ def make_train_step(
         _local_gradients, loss_fn, has_aux=has_aux, mutable=mutable, accumulate=accumulate
     )
 
-    def local_step(params, state, model_state, batch, key):
+    def local_step(params, state, model_state, batch, key, speculate):
         if key is not None:
             key = jax.random.fold_in(jax.random.fold_in(key, state.count), lax.axis_index(axes))
         if overlap_param_gather:
             params = optimizer.local_params(state)
         loss, grads, model_state, aux = gradients(params, model_state, batch, key)
+        chosen = {} if speculate is None else {"speculate": speculate}
         params, state, metrics = optimizer.local_update(
-            grads, state, params, gather=not overlap_param_gather
+            grads, state, params, gather=not overlap_param_gather, **chosen
         )
         metrics = {"loss": lax.pmean(loss, axes), "step": state.count, **metrics}
         if has_aux:
@@ -230,24 +240,37 @@ def make_train_step(
                 lambda x: lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                 model_state,
             )
-        return params, state, model_state, metrics
+        # A step chosen on the host also returns its new speculation flag apart from the
+        # (donated) state, for the choice two steps on (lwjax.speculation).
+        flag = () if speculate is None else (state.speculate,)
+        return params, state, model_state, metrics, *flag
 
-    if overlap_param_gather:  # the state alone in and out: the parameters live in its masters
-        step = jit_shard_map(
-            lambda *args: local_step(None, *args)[1:],
-            mesh,
-            (optimizer.state_specs, P(), P(axes), P()),
-            (optimizer.state_specs, P(), P()),
-            donate_argnums=(0, 1) if donate else (),
-        )
-    else:
-        step = jit_shard_map(
-            local_step,
+    def compiled(speculate):
+        flag = () if speculate is None else (P(),)
+        if overlap_param_gather:  # the state alone in and out: the parameters live in its masters
+            return jit_shard_map(
+                lambda *args: local_step(None, *args, speculate)[1:],
+                mesh,
+                (optimizer.state_specs, P(), P(axes), P()),
+                (optimizer.state_specs, P(), P(), *flag),
+                donate_argnums=(0, 1) if donate else (),
+            )
+        return jit_shard_map(
+            lambda *args: local_step(*args, speculate),
             mesh,
             (param_specs, optimizer.state_specs, P(), P(axes), P()),
-            (param_specs, optimizer.state_specs, P(), P()),
+            (param_specs, optimizer.state_specs, P(), P(), *flag),
             donate_argnums=(0, 1, 2) if donate else (),
         )
+
+    step_in_one = compiled(None)
+    # A pipelined, clipping optimizer speculates or not as the host chooses, each choice a step
+    # of its own without the conditional; step_in_one, with it, serves a traced call.
+    host_step = (
+        chosen_on_host(compiled, 0 if overlap_param_gather else 1)
+        if speculates(optimizer.plan)
+        else None
+    )
     param_shardings = named_shardings(mesh, param_specs)
     replicated = NamedSharding(mesh, P())
     leading = ("state",) if overlap_param_gather else ("params", "state")
@@ -278,14 +301,19 @@ def make_train_step(
                     f"and not be empty; "
                     f"got shape {tuple(leaf.shape)}."
                 )
+        traced = isinstance(state.speculate, jax.core.Tracer)
+        step = host_step if host_step is not None and not traced else step_in_one
         rest = (state, jax.device_put(model_state, replicated), batch, key)
         if overlap_param_gather:
             state, model_state, metrics = step(*rest)
-            return (state, model_state, metrics) if mutable else (state, metrics)
-        # Parameters handed in on one device are placed on the mesh first (a no-op for the
-        # step's own outputs), so the step compiles once, not again for its own outputs.
-        params, state, model_state, metrics = step(jax.device_put(params, param_shardings), *rest)
-        return (params, state, model_state, metrics) if mutable else (params, state, metrics)
+        else:
+            # Parameters handed in on one device are placed on the mesh first (a no-op for
+            # the step's own outputs), so the step compiles once, not again for its own outputs.
+            params, state, model_state, metrics = step(
+                jax.device_put(params, param_shardings), *rest
+            )
+        kept = (state,) if overlap_param_gather else (params, state)
+        return (*kept, model_state, metrics) if mutable else (*kept, metrics)
 
     return train_step
 

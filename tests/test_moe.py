@@ -203,17 +203,18 @@ def test_moe_at_dp_x_ep_matches_unsharded_reference(dp, ep):
 @pytest.mark.parametrize(
     "clip_grad, seed, clips, flags",
     [
-        # Norms 0.87, 0.86, 0.70 (seed 3): the clip never binds; speculation from step 1 holds.
-        (CONFIG.clip_grad, 3, [0, 0, 0], [(0, 0), (1, 0), (1, 0)]),
-        # Norms about 0.93, 0.75, 0.81 (seed 7): binds, idle, binds: serial, serial, and a
+        # Norms 0.87, 0.86, 0.70 (seed 3): the clip never binds; speculation from step 2 holds.
+        (CONFIG.clip_grad, 3, [0, 0, 0], [(0, 0), (0, 0), (1, 0)]),
+        # Norms about 0.751, 0.756, 0.784 (seed 20): idle, idle, binds: serial, serial, and a
         # speculation that fails, so the expert buckets are recomputed.
-        (0.78, 7, [1, 0, 1], [(0, 0), (0, 0), (1, 1)]),
+        (0.76, 20, [0, 0, 1], [(0, 0), (0, 0), (1, 1)]),
     ],
-    ids=["clip_not_binding", "clip_binds_idles_binds"],
+    ids=["clip_not_binding", "clip_idles_then_binds"],
 )
 def test_pipelined_step_is_the_serial_step_with_experts(clip_grad, seed, clips, flags):
-    """Per step (speculated, recomputed): a step speculates after one that did not clip,
-    and the speculation fails where the step clips."""
+    """Per step (speculated, recomputed): make_train_step speculates after the step before
+    last did not clip (the host's guess, lwjax.speculation), and the speculation fails where
+    the step clips."""
     opt, params, state, metrics = trained(4, 2, pipeline_muon=True, clip_grad=clip_grad, seed=seed)
     _, want_params, want_state, want_metrics = trained(4, 2, clip_grad=clip_grad, seed=seed)
     assert [int(float(m["clip_coef"]) < 1) for m in want_metrics] == clips
@@ -227,8 +228,8 @@ def test_pipelined_step_is_the_serial_step_with_experts(clip_grad, seed, clips, 
 
 @pytest.mark.parametrize(
     "param_sync, pipeline_muon, clip_grad, seed",
-    [("all_gather", False, CONFIG.clip_grad, 3), ("broadcast", True, 0.78, 7)],
-    ids=["serial", "broadcast_pipelined_binds_idles_binds"],
+    [("all_gather", False, CONFIG.clip_grad, 3), ("broadcast", True, 0.76, 20)],
+    ids=["serial", "broadcast_pipelined_idles_then_binds"],
 )
 def test_overlapped_param_gather_is_bitwise_the_default_step(
     param_sync, pipeline_muon, clip_grad, seed

@@ -374,7 +374,8 @@ def test_logical_state_of_a_pipelined_optimizer_resets_its_speculation_flag():
         jax.tree.leaves(restored._replace(speculate=None)),
     ):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    (p1, s1, m1), (p2, s2, m2) = (train_step(params, s, batch) for s in (state, restored))
+    # Neither is the state the step handed back last, so each step guesses from its own flag.
+    (p2, s2, m2), (p1, s1, m1) = (train_step(params, s, batch) for s in (restored, state))
     assert bool(m1["speculated"]) and not bool(m2["speculated"])
     _assert_same_steps((p1, s1), (p2, s2))
 
@@ -445,6 +446,27 @@ def test_pipelined_step_carries_each_unscaled_direction_in_bf16_through_its_reco
         assert directions and directions == momenta, types
 
 
+def _toy_optimizer(
+    params, pipelined, clip_grad=1.0, muon=MUON, matrix_convention="in_out", **routing
+):
+    """The speculation tests' optimizer at dp 4, serial or pipelined."""
+    config = OptimizerConfig(
+        weight_decay=0.1,
+        clip_grad=clip_grad,
+        pipeline_muon=pipelined,
+        matrix_convention=matrix_convention,
+    )
+    return _optimizer(
+        params,
+        4,
+        learning_rate=LR,
+        muon=muon,
+        config=config,
+        layout=LayoutConfig(bucket_size=2000),
+        routing=RoutingRules(**routing),
+    )
+
+
 def _serial_and_pipelined(
     params, grads, clip_grad=1.0, muon=MUON, matrix_convention="in_out", **routing
 ):
@@ -452,21 +474,7 @@ def _serial_and_pipelined(
     params, state, metrics, every step's metrics)``."""
     out = []
     for pipelined in (False, True):
-        config = OptimizerConfig(
-            weight_decay=0.1,
-            clip_grad=clip_grad,
-            pipeline_muon=pipelined,
-            matrix_convention=matrix_convention,
-        )
-        opt = _optimizer(
-            params,
-            4,
-            learning_rate=LR,
-            muon=muon,
-            config=config,
-            layout=LayoutConfig(bucket_size=2000),
-            routing=RoutingRules(**routing),
-        )
+        opt = _toy_optimizer(params, pipelined, clip_grad, muon, matrix_convention, **routing)
         history = []
         out.append((opt, *run_sharded(opt, params, grads, history), history))
     return out
@@ -561,6 +569,50 @@ def test_pipelined_step_equals_the_serial_step(case):
         )
         for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(want)):
             assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def _linear_loss(params, batch):
+    """A loss whose gradient on each device is that device's slice of ``batch``."""
+    return sum(jnp.vdot(p, g[0]) for p, g in zip(jax.tree.leaves(params), jax.tree.leaves(batch)))
+
+
+# Idle, idle, idle, binds, binds, idle. Flag after each step (no Muon clip): 1 1 1 0 0 1. The
+# conditional guesses from the step before (a fresh state's flag is off); the host from the
+# step before that, so that it never waits for the step in flight.
+HOST_CLIPS = [IDLE, IDLE, IDLE, BINDS, BINDS, IDLE]
+GUESSES = {
+    "host": [(0, 0), (0, 0), (1, 0), (1, 1), (1, 1), (0, 0)],
+    "conditional": [(0, 0), (1, 0), (1, 0), (1, 1), (0, 0), (0, 0)],
+}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["host", "conditional"])
+def test_train_step_chooses_speculation_on_the_host_and_equals_the_serial_step(traced):
+    """make_train_step runs a pipelined, clipping step as two compiled steps and chooses
+    between them on the host from the flag of the step before last; traced inside a jit,
+    it falls back to the conditional. Either way it computes the serial step."""
+    params = toy_params()
+    grads = _scaled(random_grads(params, 4, len(HOST_CLIPS), seed=3), lambda t, k: HOST_CLIPS[t])
+    results = {}
+    for pipelined in (False, True):
+        opt = _toy_optimizer(params, pipelined)
+        train_step = make_train_step(_linear_loss, opt, donate=False)
+        if traced:
+            train_step = jax.jit(train_step)
+        p, state, history = params, opt.init(params), []
+        for device_grads in grads:
+            batch = jax.tree.map(lambda *g: np.stack(g), *device_grads)
+            p, state, metrics = train_step(p, state, batch)
+            history.append(metrics)
+        results[pipelined] = p, state, metrics
+    flags = [(int(m["speculated"]), int(m["recomputed"])) for m in history]
+    assert flags == GUESSES["conditional" if traced else "host"]
+    _assert_same_steps(results[False], results[True])
+    want = reference_run(
+        params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON
+    )
+    for a, b in zip(jax.tree.leaves(results[True][0]), jax.tree.leaves(want)):
+        assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
 
 def test_serial_and_pipelined_steps_under_medium_precision_match_the_per_matrix_reference():

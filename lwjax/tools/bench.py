@@ -45,6 +45,8 @@ from lwjax.optimizer import (
     layerwise_muon,
     resolved_layout,
 )
+from lwjax.speculation import chosen_on_host
+from lwjax.step import speculates
 from lwjax.train import jit_shard_map
 
 # Megatron-Core GPTs (lwjax.megatron.gpt): 8b is Llama-3-8B's layer with 4 layers; 1b has 16
@@ -331,7 +333,9 @@ def _params(shapes, mesh, dtype, specs=None):
 def optimizer_step(opt: LayerwiseOptimizer):
     """``step(params, state, grads) -> (params, state)``: the timed step, ``params`` and ``state``
     donated; ``grads`` are per-device gradients ``[dp, ...]`` split over dp (and, for leaves
-    split over tensor parallelism, as ``opt.param_specs`` says: ``P("dp", *spec)``)."""
+    split over tensor parallelism, as ``opt.param_specs`` says: ``P("dp", *spec)``). A
+    pipelined, clipping optimizer speculates as the host chooses, as in ``make_train_step``
+    (:func:`lwjax.speculation.chosen_on_host`)."""
     param_specs = opt.param_specs
     if isinstance(param_specs, P):  # a prefix: nothing split
         grad_specs = P("dp", *param_specs)
@@ -339,13 +343,23 @@ def optimizer_step(opt: LayerwiseOptimizer):
         grad_specs = jax.tree.map(
             lambda spec: P("dp", *spec), param_specs, is_leaf=lambda x: isinstance(x, P)
         )
-    return jit_shard_map(
-        lambda p, s, g: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p)[:2],
-        opt.mesh,
-        (param_specs, opt.state_specs, grad_specs),
-        (param_specs, opt.state_specs),
-        donate_argnums=(0, 1),
-    )
+
+    def compiled(speculate=None):
+        chosen, flag = ({}, ()) if speculate is None else ({"speculate": speculate}, (P(),))
+
+        def local(p, s, g):
+            p, s, _ = opt.local_update(jax.tree.map(lambda x: x[0], g), s, p, **chosen)
+            return (p, s, s.speculate) if flag else (p, s)
+
+        return jit_shard_map(
+            local,
+            opt.mesh,
+            (param_specs, opt.state_specs, grad_specs),
+            (param_specs, opt.state_specs, *flag),
+            donate_argnums=(0, 1),
+        )
+
+    return chosen_on_host(compiled, 1) if speculates(opt.plan) else compiled()
 
 
 def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):

@@ -247,7 +247,8 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
         "--pipeline-muon",
         action="store_true",
         help="lwjax's Newton-Schulz overlaps the reduce-scatters, speculating that clipping does "
-        "not bind after a step it did not bind (OptimizerConfig.pipeline_muon)",
+        "not bind after the step before last did not clip, as the host chooses "
+        "(OptimizerConfig.pipeline_muon, lwjax.speculation)",
     )
 
 

@@ -1,0 +1,107 @@
+"""Whether the next pipelined step speculates, chosen on the host.
+
+A pipelined, clipping optimizer (``OptimizerConfig(pipeline_muon=True)``)
+starts Newton–Schulz before the gradient norm only after a step that needed
+no Muon clip (:mod:`lwjax.pipelined`). Inside one compiled step that choice
+is a ``lax.cond`` over the whole step, and on GPU the conditional costs
+0.4–1.3 ms a step (``docs/benchmarks.md``): with the clip binding on every
+step, it made the pipelined step slower than the serial step it runs.
+Chosen on the host instead, each choice is a compiled step of its own, with
+no conditional in it.
+
+The host must not wait for a step to end before dispatching the next, or
+the devices idle between steps. So the choice for step ``n`` reads the flag
+step ``n - 2`` wrote, which is ready once step ``n - 2`` ends while step
+``n - 1`` runs: the guess lags the device's by one step. Clipping holds for
+runs of steps, so in a run of steps that clip (or that do not) only the
+first two are guessed wrong, where the conditional guesses only the first
+wrong. Step ``n - 2``'s flag lives in a state that step ``n - 1`` has
+consumed (donated), so each step also returns its flag on its own, as a
+replicated scalar outside the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from lwjax.step import LayerwiseState
+
+
+class HostSpeculation:
+    """Chooses, step after step of one run, whether the next pipelined step speculates.
+
+    Use it around two compiled steps, one built with ``speculate=True`` and
+    one with ``speculate=False`` (``update_pipelined``'s argument), each of
+    which also returns the new state's ``speculate`` flag on its own, as
+    :func:`chosen_on_host` does:
+
+    .. code-block:: python
+
+        chooser = HostSpeculation()
+        speculate = chooser.choose(state)
+        state, flag = steps[speculate](state, ...)
+        chooser.record(state, flag)
+
+    A state that is not the one last recorded (a fresh or restored state,
+    another run's) starts the lag again: its own flag is read, waiting for the
+    step that wrote it.
+    """
+
+    def __init__(self):
+        self._handed = None  # the speculate leaf of the state last recorded
+        self._last = None  # the flag the last recorded step returned
+        self._before = None  # the flag the step before it returned (or a state's own)
+
+    def choose(self, state: LayerwiseState) -> bool:
+        """Whether the step that takes ``state`` should speculate.
+
+        Raises:
+          ValueError: ``state`` has no speculation flag.
+        """
+        if state.speculate is None:
+            raise ValueError(
+                "state.speculate: a pipelined, clipping optimizer's state needs its speculation "
+                "flag (LayerwiseState.speculate, a bool scalar); got None. Build the state with "
+                "the optimizer's init or lwjax.from_logical."
+            )
+        # The flags are replicated, so each process reads its own first device's copy.
+        if state.speculate is not self._handed:  # a new run: its own flag, read as it is
+            self._last = bool(state.speculate)
+            return self._last
+        return bool(self._before)
+
+    def record(self, state: LayerwiseState, flag: jax.Array) -> None:
+        """Note the step's new ``state`` and the flag it returned apart from it, whose copy to
+        the host starts now, so that reading it two steps on does not wait for a transfer."""
+        flag.copy_to_host_async()
+        self._before, self._last = self._last, flag
+        self._handed = state.speculate
+
+
+def chosen_on_host(compiled: Callable[[bool], Callable], state_index: int) -> Callable:
+    """A step that runs ``compiled(True)`` or ``compiled(False)`` as a :class:`HostSpeculation`
+    chooses.
+
+    Args:
+      compiled: ``speculate -> step``; each step takes the state as its
+        argument ``state_index``, returns the new state at the same index of
+        its results, and returns the new state's ``speculate`` flag last.
+      state_index: Where the state is among the arguments and the results.
+
+    Returns:
+      The step, with the same arguments and the results without the flag. Its
+      attribute ``compiled`` holds the two steps by ``speculate`` (e.g. to
+      ``lower`` one).
+    """
+    steps = {speculate: compiled(speculate) for speculate in (True, False)}
+    chooser = HostSpeculation()
+
+    def step(*args):
+        *out, flag = steps[chooser.choose(args[state_index])](*args)
+        chooser.record(out[state_index], flag)
+        return tuple(out)
+
+    step.compiled = steps
+    return step
