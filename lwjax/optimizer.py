@@ -82,10 +82,11 @@ class OptimizerConfig:
         otherwise the step is the serial one): it computes the directions
         again where the speculation fails (``metrics["recomputed"]``), so a
         step that clips right after one that did not runs momentum and
-        Newton–Schulz twice. ``make_train_step`` makes that choice on the host
-        (:mod:`lwjax.speculation`). It pays off for the optimizer step alone under
-        XLA's profile-guided scheduling while clipping is idle; see
-        ``docs/configuration.md`` for what was measured.
+        Newton–Schulz twice. ``make_train_step`` makes the choice on the host
+        (:mod:`lwjax.speculation`), from the step before last: there the first
+        two steps that clip after steps that did not run it twice. It pays off
+        for the optimizer step alone under XLA's profile-guided scheduling;
+        see ``docs/configuration.md`` for what was measured.
     """
 
     weight_decay: ScalarOrSchedule = 0.01
@@ -152,9 +153,10 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
       mesh: The device mesh.
       axis: Name of the data-parallel mesh axis.
       local_update: ``(grads, state, params, *, gather=True) -> (params, state,
-        metrics)``; call it inside ``shard_map`` over :attr:`data_axes` with
-        this device's local gradients and parameters (expert leaves local, see
-        ``param_specs``).
+        metrics)`` (and ``speculate`` with ``pipeline_muon``:
+        :func:`lwjax.pipelined.update_pipelined`); call it inside ``shard_map``
+        over :attr:`data_axes` with this device's local gradients and
+        parameters (expert leaves local, see ``param_specs``).
         With ``gather=False`` it returns ``None`` for the parameters and leaves
         their gather to the next step's :attr:`local_params`.
       local_params: ``state -> params``, inside ``shard_map`` as

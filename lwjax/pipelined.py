@@ -16,12 +16,13 @@ A failed speculation runs Newton–Schulz twice. So with clipping,
 clip (``LayerwiseState.speculate``) and otherwise runs the serial step: one
 ``lax.cond`` on the whole step, whose predicate is known when the step starts.
 Clipping holds for runs of steps (early in training most steps clip, later
-few do), so only a step whose clip differs from its predecessor's is guessed
-wrong: one that clips after one that did not runs Newton–Schulz twice, one
-that does not clip after one that did runs serially. The conditional itself
-costs up to a millisecond or so on GPU; a caller that chooses on the host
-(:class:`lwjax.speculation.HostSpeculation`) passes ``speculate`` and
-compiles each branch as a step of its own.
+few do), so with the conditional only a step whose clip differs from its
+predecessor's is guessed wrong (with the host's choice, from the step before
+last, the first two such steps are): one that clips after one that did not
+runs Newton–Schulz twice, one that does not clip after one that did runs
+serially. The conditional itself costs up to a millisecond or so on GPU; a
+caller that chooses on the host (:class:`lwjax.speculation.HostSpeculation`)
+passes ``speculate`` and compiles each branch as a step of its own.
 """
 
 from __future__ import annotations

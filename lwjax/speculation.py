@@ -4,7 +4,7 @@ A pipelined, clipping optimizer (``OptimizerConfig(pipeline_muon=True)``)
 starts Newton–Schulz before the gradient norm only after a step that needed
 no Muon clip (:mod:`lwjax.pipelined`). Inside one compiled step that choice
 is a ``lax.cond`` over the whole step, and on GPU the conditional costs
-0.4–1.3 ms a step (``docs/benchmarks.md``): with the clip binding on every
+0.35–1.3 ms a step (``docs/benchmarks.md``): with the clip binding on every
 step, it made the pipelined step slower than the serial step it runs.
 Chosen on the host instead, each choice is a compiled step of its own, with
 no conditional in it.
@@ -18,6 +18,11 @@ first two are guessed wrong, where the conditional guesses only the first
 wrong. Step ``n - 2``'s flag lives in a state that step ``n - 1`` has
 consumed (donated), so each step also returns its flag on its own, as a
 replicated scalar outside the state.
+
+Every process must choose alike, or the processes would run different
+programs and their collectives would wait for each other forever. The flag
+comes from statistics summed over all devices (``psum``), the same bits on
+every device, as the conditional's predicate must be too.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from collections.abc import Callable
 import jax
 
 from lwjax.step import LayerwiseState
+
+# The first call, counting from 0, at which a run that starts from a fresh or restored state
+# (its flag off) may speculate: after the flag of the step before last turned on.
+FIRST_SPECULATION = 2
 
 
 class HostSpeculation:
@@ -53,6 +62,7 @@ class HostSpeculation:
         self._handed = None  # the speculate leaf of the state last recorded
         self._last = None  # the flag the last recorded step returned
         self._before = None  # the flag the step before it returned (or a state's own)
+        self._own = None  # a new run's own flag, read by choose and kept by record
 
     def choose(self, state: LayerwiseState) -> bool:
         """Whether the step that takes ``state`` should speculate.
@@ -68,15 +78,17 @@ class HostSpeculation:
             )
         # The flags are replicated, so each process reads its own first device's copy.
         if state.speculate is not self._handed:  # a new run: its own flag, read as it is
-            self._last = bool(state.speculate)
-            return self._last
+            self._own = bool(state.speculate)
+            return self._own
+        self._own = None
         return bool(self._before)
 
     def record(self, state: LayerwiseState, flag: jax.Array) -> None:
         """Note the step's new ``state`` and the flag it returned apart from it, whose copy to
         the host starts now, so that reading it two steps on does not wait for a transfer."""
         flag.copy_to_host_async()
-        self._before, self._last = self._last, flag
+        before = self._last if self._own is None else self._own
+        self._before, self._last, self._own = before, flag, None
         self._handed = state.speculate
 
 

@@ -71,8 +71,9 @@ class LayerwiseState(NamedTuple):
     masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 master weights.
     momenta: tuple[tuple[jax.Array, ...] | None, ...]  # Muon momentum; None if elementwise.
     elementwise: tuple[tuple[Any, ...] | None, ...]  # optax state; None if layer-wise.
-    # shape=(), bool, only where the step speculates (:func:`speculates`): whether the next step
-    # starts Newton–Schulz before the norm, i.e. the last applied step needed no Muon clip.
+    # shape=(), bool, only where the step speculates (:func:`speculates`): whether the last
+    # applied step needed no Muon clip, so the next step (or, as the host chooses in
+    # lwjax.speculation, the step after it) starts Newton–Schulz before the norm.
     speculate: jax.Array | None = None
 
 
@@ -100,8 +101,9 @@ def speculates(plan: StepPlan) -> bool:
 
 
 def initial_speculation(plan: StepPlan) -> jax.Array | None:
-    """``LayerwiseState.speculate`` of a fresh or restored state: ``False`` (the first step
-    waits for the norm, as early training mostly clips), or ``None`` where nothing speculates."""
+    """``LayerwiseState.speculate`` of a fresh or restored state: ``False`` (the first step,
+    or two as the host chooses, waits for the norm, as early training mostly clips), or
+    ``None`` where nothing speculates."""
     return jnp.zeros([], jnp.bool_) if speculates(plan) else None
 
 

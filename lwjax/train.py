@@ -144,8 +144,9 @@ def make_train_step(
     (:mod:`lwjax.speculation`): from the flag of the step before last, so
     that it never waits for the step in flight, and each choice is a
     compiled step of its own, without a conditional. The second one compiles
-    the first time it is chosen. A ``train_step`` traced inside your own
-    ``jax.jit`` runs the one compiled step with its conditional instead.
+    the first time it is chosen. A ``train_step`` called inside your own
+    ``jax.jit`` (any argument traced) runs the one compiled step with its
+    conditional instead.
 
     With an expert axis, ``loss_fn`` sees the device's local experts (expert
     leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
@@ -301,7 +302,8 @@ def make_train_step(
                     f"and not be empty; "
                     f"got shape {tuple(leaf.shape)}."
                 )
-        traced = isinstance(state.speculate, jax.core.Tracer)
+        inputs = jax.tree.leaves((params, state, model_state, batch, key))
+        traced = any(isinstance(x, jax.core.Tracer) for x in inputs)
         step = host_step if host_step is not None and not traced else step_in_one
         rest = (state, jax.device_put(model_state, replicated), batch, key)
         if overlap_param_gather:

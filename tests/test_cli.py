@@ -354,7 +354,9 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     assert (code, err) == (0, "")
     (record,) = json.loads(out)
     assert record["contender"] == "lwjax" and record["pipeline_muon"] and record["step_ms"] > 0
-    assert (record["iters"], record["warmup"]) == (1, 1)
+    # One warm-up call asked for; the speculative step, first chosen at the third call, is
+    # compiled and run once more before timing.
+    assert (record["iters"], record["warmup"]) == (1, 3)
     assert (
         min(record["back_to_back_ms"], record["rs_back_to_back_ms"], record["ag_back_to_back_ms"])
         > 0

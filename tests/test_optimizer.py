@@ -586,33 +586,62 @@ GUESSES = {
 }
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["host", "conditional"])
-def test_train_step_chooses_speculation_on_the_host_and_equals_the_serial_step(traced):
+# make_train_step's options per form: the host's choice with and without donation, and with
+# the state alone between steps; and the train step called inside jax.jit.
+HOST_FORMS = {
+    "host": dict(donate=False),
+    "host_donated": dict(donate=True),
+    "host_state_only": dict(donate=True, overlap_param_gather=True),
+    "conditional": dict(donate=False),
+}
+
+
+def _run_train_steps(opt, params, grads, *, traced=False, **options):
+    """Every step's metrics, and the last parameters and state."""
+    train_step = make_train_step(_linear_loss, opt, **options)
+    if traced:
+        train_step = jax.jit(train_step)
+    state_only = options.get("overlap_param_gather", False)
+    state, history = opt.init(params), []
+    params = jax.tree.map(jnp.copy, params)
+    for device_grads in grads:
+        batch = jax.tree.map(lambda *g: np.stack(g), *device_grads)
+        if state_only:
+            state, metrics = train_step(state, batch)
+        else:
+            params, state, metrics = train_step(params, state, batch)
+        history.append(metrics)
+    return history, opt.gather_params(state) if state_only else params, state
+
+
+@pytest.mark.parametrize("form", HOST_FORMS)
+def test_train_step_chooses_speculation_on_the_host_and_equals_the_serial_step(form):
     """make_train_step runs a pipelined, clipping step as two compiled steps and chooses
-    between them on the host from the flag of the step before last; traced inside a jit,
-    it falls back to the conditional. Either way it computes the serial step."""
+    between them on the host from the flag of the step before last (each step returns
+    its flag apart from the donated state); traced inside a jit, it falls back to the
+    conditional. Either way it computes the serial step."""
     params = toy_params()
     grads = _scaled(random_grads(params, 4, len(HOST_CLIPS), seed=3), lambda t, k: HOST_CLIPS[t])
-    results = {}
-    for pipelined in (False, True):
-        opt = _toy_optimizer(params, pipelined)
-        train_step = make_train_step(_linear_loss, opt, donate=False)
-        if traced:
-            train_step = jax.jit(train_step)
-        p, state, history = params, opt.init(params), []
-        for device_grads in grads:
-            batch = jax.tree.map(lambda *g: np.stack(g), *device_grads)
-            p, state, metrics = train_step(p, state, batch)
-            history.append(metrics)
-        results[pipelined] = p, state, metrics
+    traced = form == "conditional"
+    _, *serial = _run_train_steps(_toy_optimizer(params, False), params, grads)
+    opt = _toy_optimizer(params, True)
+    history, *pipelined = _run_train_steps(opt, params, grads, traced=traced, **HOST_FORMS[form])
     flags = [(int(m["speculated"]), int(m["recomputed"])) for m in history]
     assert flags == GUESSES["conditional" if traced else "host"]
-    _assert_same_steps(results[False], results[True])
+    _assert_same_steps(serial, pipelined)
     want = reference_run(
         params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON
     )
-    for a, b in zip(jax.tree.leaves(results[True][0]), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(pipelined[0]), jax.tree.leaves(want)):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def test_train_step_refuses_a_pipelined_state_without_its_speculation_flag():
+    params = toy_params()
+    opt = _toy_optimizer(params, True)
+    batch = jax.tree.map(lambda x: np.zeros((4, *x.shape), np.float32), params)
+    with pytest.raises(ValueError, match=r"state\.speculate: .* got None"):
+        make_train_step(_linear_loss, opt)(params, opt.init(params)._replace(speculate=None), batch)
 
 
 def test_serial_and_pipelined_steps_under_medium_precision_match_the_per_matrix_reference():

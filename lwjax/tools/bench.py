@@ -45,7 +45,7 @@ from lwjax.optimizer import (
     layerwise_muon,
     resolved_layout,
 )
-from lwjax.speculation import chosen_on_host
+from lwjax.speculation import FIRST_SPECULATION, chosen_on_host
 from lwjax.step import speculates
 from lwjax.train import jit_shard_map
 
@@ -233,9 +233,14 @@ def pgle():
         jax.config.update("jax_pgle_profiling_runs", saved[1])
 
 
-def warmup_calls(warmup: int, pgle_on: bool) -> int:
-    """Untimed calls before timing: ``warmup``, under PGLE at least the profiled ones plus one."""
-    return max(warmup, PGLE_RUNS + 1) if pgle_on else warmup
+def warmup_calls(warmup: int, pgle_on: bool, first_call: int = 0) -> int:
+    """Untimed calls before timing: ``warmup``, and at least enough that every compiled step
+    is past its compiling call, and under PGLE past its profiled calls, where one of them is
+    first called only at call ``first_call`` (a host-chosen speculative step:
+    :data:`lwjax.speculation.FIRST_SPECULATION`)."""
+    if pgle_on:
+        return max(warmup, first_call + PGLE_RUNS + 1)
+    return max(warmup, first_call + 1) if first_call else warmup
 
 
 def workload_optimizer(
@@ -362,6 +367,11 @@ def optimizer_step(opt: LayerwiseOptimizer):
     return chosen_on_host(compiled, 1) if speculates(opt.plan) else compiled()
 
 
+def _first_call(opt: LayerwiseOptimizer) -> int:
+    """The call at which :func:`optimizer_step`'s last compiled step may first run."""
+    return FIRST_SPECULATION if speculates(opt.plan) else 0
+
+
 def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
     dtype = jnp.dtype(cfg.param_dtype)
     shapes = workload_shapes(config)
@@ -396,7 +406,7 @@ def _bench_lwjax(cfg: BenchConfig, config: GPTConfig, mesh):
     # PGLE is part of jit's cache key: the timed and the traced steps both run under it.
     with pgle() if cfg.pgle else contextlib.nullcontext():
         seconds, (params, state) = time_steps(
-            call, (params, state), cfg.iters, warmup_calls(cfg.warmup, cfg.pgle)
+            call, (params, state), cfg.iters, warmup_calls(cfg.warmup, cfg.pgle, _first_call(opt))
         )
         back_to_back, (params, state) = time_back_to_back(call, (params, state), cfg.iters)
         profile = {}
@@ -792,7 +802,7 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
                 grad_std=cfg.grad_std,
                 grad_norm=grad_norm,
                 pipeline_muon=cfg.pipeline_muon,
-                warmup=warmup_calls(cfg.warmup, cfg.pgle),
+                warmup=warmup_calls(cfg.warmup, cfg.pgle, _first_call(opt)),
                 step_ms=seconds * 1e3,
                 back_to_back_ms=back_to_back * 1e3,
                 state_bytes_per_device=nbytes,

@@ -247,8 +247,9 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
         "--pipeline-muon",
         action="store_true",
         help="lwjax's Newton-Schulz overlaps the reduce-scatters, speculating that clipping does "
-        "not bind after the step before last did not clip, as the host chooses "
-        "(OptimizerConfig.pipeline_muon, lwjax.speculation)",
+        "not bind after steps that did not clip (OptimizerConfig.pipeline_muon); the optimizer "
+        "step chooses on the host from the step before last (lwjax.speculation), --train-step's "
+        "one jitted step by its conditional",
     )
 
 
