@@ -302,9 +302,11 @@ def make_train_step(
                     f"and not be empty; "
                     f"got shape {tuple(leaf.shape)}."
                 )
-        inputs = jax.tree.leaves((params, state, model_state, batch, key))
-        traced = any(isinstance(x, jax.core.Tracer) for x in inputs)
-        step = host_step if host_step is not None and not traced else step_in_one
+        step = step_in_one
+        if host_step is not None:  # (only then: flattening every argument costs each call)
+            inputs = jax.tree.leaves((params, state, model_state, batch, key))
+            if not any(isinstance(x, jax.core.Tracer) for x in inputs):
+                step = host_step
         rest = (state, jax.device_put(model_state, replicated), batch, key)
         if overlap_param_gather:
             state, model_state, metrics = step(*rest)
