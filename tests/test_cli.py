@@ -327,6 +327,36 @@ def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, arg
     )  # the compiling call and the 4 slow ones measured after it
 
 
+def test_kernel_summary_counts_communication_exposed_only_where_no_compute_runs():
+    """A hand-drawn trace of two steps (times in ms): a reduce-scatter half under compute, two
+    overlapping all-gathers partly under it; every figure worked out by hand, per step."""
+    kernels = [
+        ("sm90_xmma_gemm_bf16", 0, 10),
+        ("loop_add_fusion", 20, 30),
+        ("ncclDevKernel_ReduceScatter_Sum_f32", 5, 25),  # under compute 5-10 and 20-25
+        ("ncclDevKernel_AllGather_RING_LL", 28, 40),  # under compute 28-30
+        ("ncclDevKernel_AllGather_RING_LL", 35, 45),  # beside the other gather
+        ("loop_add_fusion", 50, 52),
+    ]
+    summary = lwjax.tools.bench.kernel_summary(
+        [(name, start * 1e6, end * 1e6) for name, start, end in kernels], steps=2
+    )
+    assert summary["kernel_ms"] == {
+        "matmul": pytest.approx(5),
+        "other": pytest.approx(6),
+        "reduce-scatter": pytest.approx(10),
+        "all-gather": pytest.approx(11),
+    }
+    assert summary["comm_ms"] == pytest.approx(37 / 2)  # 5-25 and 28-45
+    assert summary["compute_ms"] == pytest.approx(22 / 2)  # 0-10, 20-30, 50-52
+    assert summary["overlap_ms"] == pytest.approx(12 / 2)  # 5-10, 20-25, 28-30
+    assert summary["exposed_ms"] == {
+        "reduce-scatter": pytest.approx(5),
+        "all-gather": pytest.approx(15 / 2),
+    }
+    assert summary["top_other_ms"] == {"loop_add_fusion": 6.0}
+
+
 def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
     """The random gradients' global norm is what --grad-std sets (std * sqrt(N / dp)
     for the mean), and it is reported."""

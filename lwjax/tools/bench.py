@@ -21,9 +21,11 @@ not measured there (the record says so).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import glob
 import statistics
 import time
 
@@ -435,6 +437,9 @@ _KERNEL_KINDS = (
 )
 
 
+COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
 def _kind(name: str) -> str:
     low = name.lower()
     return next((kind for kind, keys in _KERNEL_KINDS if any(k in low for k in keys)), "other")
@@ -454,15 +459,9 @@ def _union(intervals):
 def profile_steps(fn, args, steps: int, directory: str) -> tuple[dict, tuple]:
     """Trace ``steps`` calls of ``args = fn(*args)`` and summarise device 0's kernels per step.
 
-    Returns the summary and the last ``args`` (``fn`` may donate the ones it
-    was given). The summary: kernel time per kind (matmul, reduce-scatter,
-    all-gather, all-reduce, other) in ms per step, the time covered by
-    communication and by compute and by both (overlap), and the costliest
-    "other" kernels; empty without a GPU.
+    Returns :func:`kernel_summary` of device 0's stream kernels (empty without a
+    GPU) and the last ``args`` (``fn`` may donate the ones it was given).
     """
-    import collections
-    import glob
-
     jax.block_until_ready(args := fn(*args))
     with jax.profiler.trace(directory):
         for _ in range(steps):
@@ -473,30 +472,51 @@ def profile_steps(fn, args, steps: int, directory: str) -> tuple[dict, tuple]:
     planes = [p for p in data.planes if p.name.startswith("/device:GPU:0")]
     if not planes:
         return {}, args
-    per_kind, other, comm, compute = collections.Counter(), collections.Counter(), [], []
-    for line in planes[0].lines:
-        if "stream" not in line.name.lower():
-            continue
-        for event in line.events:
-            kind = _kind(event.name)
-            start, end = event.start_ns, event.start_ns + event.duration_ns
-            per_kind[kind] += event.duration_ns
-            (comm if kind in ("reduce-scatter", "all-gather", "all-reduce") else compute).append(
-                (start, end)
-            )
-            if kind == "other":
-                other[event.name] += event.duration_ns
+    kernels = [
+        (event.name, event.start_ns, event.start_ns + event.duration_ns)
+        for line in planes[0].lines
+        if "stream" in line.name.lower()
+        for event in line.events
+    ]
+    return kernel_summary(kernels, steps), args
+
+
+def kernel_summary(kernels, steps: int) -> dict:
+    r"""Per step, what ``kernels`` (``(name, start_ns, end_ns)`` on one device) spent their time on.
+
+    Returns ``kernel_ms`` (kernel time per kind: matmul, reduce-scatter,
+    all-gather, all-reduce, other), ``comm_ms`` and ``compute_ms`` (the time
+    covered by communication kernels and by the rest), ``overlap_ms`` (covered
+    by both), ``exposed_ms`` (per communication kind, the time it covers while
+    no compute kernel runs: :math:`|C_k \cup P| - |P|` for the kind's
+    intervals :math:`C_k` and the compute intervals :math:`P`; kinds may
+    overlap each other, so these can sum to more than ``comm_ms - overlap_ms``),
+    and ``top_other_ms`` (the 12 costliest "other" kernels by name).
+    """
+    per_kind, other = collections.Counter(), collections.Counter()
+    intervals = collections.defaultdict(list)
+    for name, start, end in kernels:
+        kind = _kind(name)
+        per_kind[kind] += end - start
+        intervals[kind].append((start, end))
+        if kind == "other":
+            other[name] += end - start
+    compute = intervals["matmul"] + intervals["other"]
+    comm = [iv for kind in COLLECTIVE_KINDS for iv in intervals[kind]]
     comm_ns, compute_ns = _union(comm), _union(compute)
-    both_ns = comm_ns + compute_ns - _union(comm + compute)
     ms = lambda ns: ns / 1e6 / steps  # noqa: E731
-    summary = dict(
+    return dict(
         kernel_ms={k: ms(v) for k, v in per_kind.items()},
         comm_ms=ms(comm_ns),
         compute_ms=ms(compute_ns),
-        overlap_ms=ms(both_ns),
+        overlap_ms=ms(comm_ns + compute_ns - _union(comm + compute)),
+        exposed_ms={
+            k: ms(_union(intervals[k] + compute) - compute_ns)
+            for k in COLLECTIVE_KINDS
+            if intervals[k]
+        },
         top_other_ms={k: round(ms(v), 3) for k, v in other.most_common(12)},
     )
-    return summary, args
 
 
 def _bench_optax(cfg: BenchConfig, config: GPTConfig, mesh):

@@ -72,6 +72,7 @@ from lwjax.megatron.gpt import GPTConfig, tree_from_keys
 from lwjax.megatron.model import gpt_loss, init_params, unstack_layers
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings, state_shardings
 from lwjax.tools.bench import (
+    COLLECTIVE_KINDS,
     WARMUP_STEPS,
     WORKLOADS,
     pgle,
@@ -96,7 +97,6 @@ MUON_OVERLAP = "lwjax Muon, gather in forward"
 ADAMW_OVERLAP = "lwjax AdamW (ZeRO-1), gather in forward"
 FORWARD_BACKWARD = "forward+backward"
 FSDP_AXIS = "fsdp"
-COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 CONTENDERS = (MUON, ADAMW_SHARDED, ADAMW_REPLICATED)  # and, with optax_form, the next two
 # docs/scripts/megatron_train_bench.py's contenders, as the records name them.
 MEGATRON_CONTENDERS = {
