@@ -177,6 +177,28 @@ def device_ranks(plan: StepPlan) -> list[jax.Array]:
     return [lax.axis_index(plan.axes.of(b.key)) for b in plan.buffers]
 
 
+def _vectors_reduced_apart(plan: StepPlan, grads):
+    r"""``grads`` in the plan's structure, each vector parameter's gradient behind an
+    optimization barrier (a norm scale or a bias: one axis besides its stacked ones).
+
+    Such a gradient is a sum over tokens, e.g. :math:`\partial w_j = \sum_t \hat x_{tj}
+    \, \partial y_{tj}` for a norm scale. Left alone, XLA may fuse that sum into the
+    concatenation that packs its bucket, whose loop then sums over the tokens serially,
+    one element at a time: on H200 four such packing kernels took about 16 ms per step of the
+    8b workload's ZeRO-1 AdamW step, and the barrier took 13 ms off the step's non-GEMM
+    kernels (``docs/benchmarks.md``). Matrix gradients are GEMM outputs, which XLA does not
+    fuse into a concatenation; they are left as they are.
+    """
+    leaves = check_tree(plan, grads, "gradients")
+    return jax.tree_util.tree_unflatten(
+        plan.treedef,
+        [
+            lax.optimization_barrier(g) if g is not None and g.ndim - r.stack_dims <= 1 else g
+            for g, r in zip(leaves, plan.routes)
+        ],
+    )
+
+
 def reduce_scatter(
     plan: StepPlan, grads, order=None, *, reduced: bool = False
 ) -> list[list[jax.Array]]:
@@ -190,6 +212,7 @@ def reduce_scatter(
     master dtype.
     """
     dtype = plan.master_dtype
+    grads = _vectors_reduced_apart(plan, grads)
     if reduced:
         packed = pack(plan, grads, dtypes=[dtype] * len(plan.buffers))
     else:
