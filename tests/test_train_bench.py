@@ -442,6 +442,39 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
         )
         assert (r["iters"], r["warmup"]) == (1, 0)
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
+    # Each contender's floor: forward+backward's step, and Muon's Newton-Schulz on top.
+    fwd_bwd = records[-1]["step_ms"]
+    ns = muon["newton_schulz"]
+    assert muon["floor_ms"] == pytest.approx(fwd_bwd + ns["ns_computed_ms"])
+    assert 0 < ns["ns_computed_ms"] and ns["ns_gflop_max_rank"] == max(ns["ns_gflop_per_rank"])
+    assert all(r["floor_ms"] == fwd_bwd for r in records[1:-1])
+    assert "floor_ms" not in records[-1] and "over floor" in out and "Newton-Schulz" in out
+
+
+def test_newton_schulz_floor_counts_every_muon_matrix_once_on_its_owner():
+    """The per-rank Newton-Schulz FLOPs add up to each Muon leaf's, counted from the
+    routes (stacked layers as one parameter each), and the busiest rank's time is its
+    FLOPs over the measured rate."""
+    from lwjax.cost import ns_flops
+    from lwjax.tools.bench import newton_schulz_floor
+
+    mesh = mesh_of(2)
+    config = dataclasses.replace(CFG, layers=2, ns_precision="medium")
+    params = tb._replicated(tb._init_params(config, jax.random.key(0), "float32"), mesh)
+    plan = tb.lwjax_optimizer(params, mesh, config).plan
+    muon = [r for r in plan.routes if r.is_muon]
+    assert muon, "the small workload has Muon matrices"
+    expected = sum(
+        math.prod(r.shape[: r.stack_dims])
+        * ns_flops(r.shape[r.stack_dims :], 5, r.qkv_split_shapes)
+        for r in muon
+    )
+    floor = newton_schulz_floor(plan, mesh, "medium", iters=2, warmup=1)
+    per_rank = floor["ns_gflop_per_rank"]
+    assert len(per_rank) == 2 and sum(per_rank) == pytest.approx(expected / 1e9)
+    assert min(per_rank) > 0  # both ranks own matrices
+    rate = floor["matmul_tflops"] * 1e12
+    assert floor["ns_ms"] == pytest.approx(max(per_rank) * 1e9 / rate * 1e3)
 
 
 def test_cli_overlapped_gather_trains_as_the_default_step_with_unrolled_layers(tmp_path, capsys):

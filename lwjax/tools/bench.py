@@ -572,16 +572,59 @@ def symmetric_share(device, ns_precision: str):
     return gram.computed_share if on_cuda and ns_precision == "medium" else None
 
 
+def newton_schulz_floor(plan, mesh, ns_precision: str, iters: int, warmup: int) -> dict:
+    """The busiest rank's Newton–Schulz time: its FLOPs over the device's measured matmul rate.
+
+    The compute Muon adds to a step and no schedule can remove. The rate is
+    that of a chain of large bf16 (fp32 under ``"highest"``) products in one
+    call (:data:`MATMUL_CHAIN` per call), the best of three medians of
+    ``iters`` calls. ``ns_ms`` counts Megatron's FLOPs (full products),
+    ``ns_computed_ms`` those lwjax computes (fewer on CUDA in bf16,
+    :mod:`lwjax.gram`); ``ns_gflop_per_rank`` lists Megatron's FLOPs of every
+    rank of ``plan``.
+    """
+    dp = plan.axes.dp_size
+    device = mesh.devices.flat[0]
+    share = symmetric_share(device, ns_precision)
+    flops, computed = [0] * dp, [0] * dp
+    for buffer in plan.buffers:
+        for group in buffer.slot_groups:
+            for rank, names in enumerate(group.names):
+                flops[rank] += len(names) * ns_flops(
+                    group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes
+                )
+                computed[rank] += len(names) * ns_flops(
+                    group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes, symmetric_share=share
+                )
+    # A chain of products in one call, so dispatch and synchronisation add nothing measurable
+    # (one timed 8192^3 product gave 444 to 665 TFLOP/s between commands on one H200 host).
+    # Entries of variance 1/size keep the chain's values from growing.
+    size = 1024 if device.platform == "cpu" else 8192
+    ns_dtype = jnp.bfloat16 if ns_precision == "medium" else jnp.float32
+    a = jax.device_put(
+        jax.random.normal(jax.random.key(1), (size, size), ns_dtype) / size**0.5, device
+    )
+    matmul = jax.jit(lambda x: functools.reduce(lambda y, _: x @ y, range(MATMUL_CHAIN), x))
+    mm_s = min(time_steps(lambda *_: (matmul(a),), (), iters, warmup)[0] for _ in range(3))
+    rate = MATMUL_CHAIN * 2 * size**3 / mm_s
+    return dict(
+        ns_ms=max(flops) / rate * 1e3,
+        ns_computed_ms=max(computed) / rate * 1e3,
+        matmul_tflops=rate / 1e12,
+        ns_gflop_max_rank=max(flops) / 1e9,
+        ns_gflop_computed_max_rank=max(computed) / 1e9,
+        ns_gflop_per_rank=[f / 1e9 for f in flops],
+    )
+
+
 def _floor(cfg: BenchConfig, opt, mesh) -> dict:
     """The no-overlap floor of one step on these devices, measured in JAX.
 
     Communication: a bare ``psum_scatter`` of every gradient buffer plus a
     bare ``all_gather`` of every parameter block, at the step's exact sizes
     and dtypes, each timed as the step is (synchronised, and back to back).
-    Compute: the busiest rank's Newton–Schulz FLOPs over the measured rate of
-    large bf16 (or fp32) matmuls (:data:`MATMUL_CHAIN` per call). Those are
-    Megatron's FLOPs, full products; ``floor_sum_computed_ms`` counts the
-    FLOPs lwjax computes instead (fewer on CUDA in bf16, :mod:`lwjax.gram`).
+    Compute: :func:`newton_schulz_floor`. ``floor_sum_computed_ms`` counts the
+    Newton–Schulz FLOPs lwjax computes instead of Megatron's.
     """
     plan = opt.plan
     dp = mesh.shape["dp"]
@@ -627,47 +670,19 @@ def _floor(cfg: BenchConfig, opt, mesh) -> dict:
         )[0]
 
     (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
-    # Megatron's FLOPs (full products), and those lwjax computes.
-    platform = mesh.devices.flat[0].platform
-    share = symmetric_share(mesh.devices.flat[0], cfg.ns_precision)
-    flops, computed = [0] * dp, [0] * dp
-    for buffer in plan.buffers:
-        for group in buffer.slot_groups:
-            for rank, names in enumerate(group.names):
-                flops[rank] += len(names) * ns_flops(
-                    group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes
-                )
-                computed[rank] += len(names) * ns_flops(
-                    group.shape, DEFAULT_NUM_NS_STEPS, group.qkv_split_shapes, symmetric_share=share
-                )
-    # The matmul rate: a chain of products in one call, so dispatch and synchronisation
-    # add nothing measurable (one timed 8192^3 product gave 444 to 665 TFLOP/s between
-    # commands on one H200 host), best of three medians. Entries of variance 1/size
-    # keep the chain's values from growing.
-    size = 1024 if platform == "cpu" else 8192
-    ns_dtype = jnp.bfloat16 if cfg.ns_precision == "medium" else jnp.float32
-    a = jax.device_put(
-        jax.random.normal(jax.random.key(1), (size, size), ns_dtype) / size**0.5,
-        mesh.devices.flat[0],
-    )
-    matmul = jax.jit(lambda x: functools.reduce(lambda y, _: x @ y, range(MATMUL_CHAIN), x))
-    mm_s = min(time_steps(lambda *_: (matmul(a),), (), cfg.iters, cfg.warmup)[0] for _ in range(3))
-    rate = MATMUL_CHAIN * 2 * size**3 / mm_s
-    ns_s, computed_s = max(flops) / rate, max(computed) / rate
+    ns = newton_schulz_floor(plan, mesh, cfg.ns_precision, cfg.iters, cfg.warmup)
+    del ns["ns_gflop_per_rank"]
+    rs_ms, ag_ms = rs_s * 1e3, ag_s * 1e3
     return dict(
-        rs_ms=rs_s * 1e3,
-        ag_ms=ag_s * 1e3,
-        ns_ms=ns_s * 1e3,
-        ns_computed_ms=computed_s * 1e3,
-        matmul_tflops=rate / 1e12,
-        ns_gflop_max_rank=max(flops) / 1e9,
-        ns_gflop_computed_max_rank=max(computed) / 1e9,
-        floor_sum_ms=(rs_s + ag_s + ns_s) * 1e3,
-        floor_sum_computed_ms=(rs_s + ag_s + computed_s) * 1e3,
-        floor_max_ms=max(rs_s + ag_s, ns_s) * 1e3,
+        rs_ms=rs_ms,
+        ag_ms=ag_ms,
+        **ns,
+        floor_sum_ms=rs_ms + ag_ms + ns["ns_ms"],
+        floor_sum_computed_ms=rs_ms + ag_ms + ns["ns_computed_ms"],
+        floor_max_ms=max(rs_ms + ag_ms, ns["ns_ms"]),
         rs_back_to_back_ms=rs_b2b * 1e3,
         ag_back_to_back_ms=ag_b2b * 1e3,
-        floor_sum_back_to_back_ms=(rs_b2b + ag_b2b + ns_s) * 1e3,
+        floor_sum_back_to_back_ms=(rs_b2b + ag_b2b) * 1e3 + ns["ns_ms"],
     )
 
 

@@ -242,6 +242,43 @@ def print_train_bench(records: Sequence[dict]) -> None:
             + (f" (XLA may allocate {limit / 1e9:.2f} GB)." if limit else ".")
             + "[/]"
         )
+    _print_floors(out, [r for r in records if "floor_ms" in r])
+
+
+def _print_floors(out, records: Sequence[dict]) -> None:
+    """``bench --train-step``'s second table: each lwjax contender against its floor."""
+    if not records:
+        return
+    rows = table(
+        "Against the floor: what no schedule removes",
+        ["contender", "dp", "step ms", "floor ms", "over floor", "comm. beside compute"],
+    )
+    for r in records:
+        profile = r.get("profile") or {}
+        comm = profile.get("comm_ms")
+        rows.add_row(
+            r["contender"],
+            str(r["dp"]),
+            f"{r['step_ms']:.2f}",
+            f"{r['floor_ms']:.2f}",
+            f"{r['step_ms'] - r['floor_ms']:+.2f} ms ({r['step_ms'] / r['floor_ms']:.3f}x)",
+            f"{100 * profile['overlap_ms'] / comm:.0f}%" if comm else "—",
+        )
+    out.print(rows)
+    notes = [
+        f"dp {r['dp']}: Newton-Schulz on the busiest rank, {ns['ns_gflop_computed_max_rank']:,.4g} "
+        f"GFLOP computed ({ns['ns_gflop_max_rank']:,.4g} as full products): "
+        f"{ns['ns_computed_ms']:.2f} ms at {ns['matmul_tflops']:.4g} TFLOP/s measured"
+        for r in records
+        if (ns := r.get("newton_schulz"))
+    ]
+    out.print(
+        "[dim]floor ms: forward+backward's step ms, plus for a Muon step the busiest rank's "
+        "Newton-Schulz at the measured matmul rate; comm. beside compute: the part of device "
+        "0's communication kernel time that ran beside compute kernels (--profile, GPU). "
+        + "; ".join(notes)
+        + ".[/]"
+    )
 
 
 # --------------------------------------------------------------------------- convert

@@ -75,6 +75,7 @@ from lwjax.tools.bench import (
     COLLECTIVE_KINDS,
     WARMUP_STEPS,
     WORKLOADS,
+    newton_schulz_floor,
     pgle,
     profile_steps,
     run_torch_script,
@@ -595,6 +596,10 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
         optimizer = lwjax_optimizer(params, mesh, cfg, muon=name in (MUON, MUON_OVERLAP))
         step = lwjax_step(loss, optimizer, overlap_param_gather=overlap)
         args = (optimizer.init(params),) if overlap else (params, optimizer.init(params))
+        if name == MUON:
+            record = _measure(name, cfg, mesh, batch, step, args)
+            floor = newton_schulz_floor(optimizer.plan, mesh, cfg.ns_precision, cfg.iters, 1)
+            return dict(record, newton_schulz=floor)
     elif name in (MUON_OPTAX, MUON_OPTAX_PER_DEVICE):
         params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg)
@@ -662,7 +667,12 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       One record per (contender, dp): ``step_ms`` (median), ``tokens_per_s``
       (global), ``mfu`` (model FLOPs utilisation over all dp devices, see
       :func:`model_flops_per_token`; ``None`` without a known peak),
-      ``optimizer_ms`` (``step_ms`` minus forward+backward's),
+      ``optimizer_ms`` (``step_ms`` minus forward+backward's), ``floor_ms``
+      (what no schedule removes from the step: forward+backward's
+      ``step_ms``, plus for lwjax's Muon steps the busiest rank's
+      Newton–Schulz, ``ns_computed_ms`` of the Muon record's
+      ``newton_schulz``, :func:`lwjax.tools.bench.newton_schulz_floor`; not
+      recorded for the fully sharded Muon),
       ``compiled_bytes_per_device`` (XLA's estimate for the step),
       ``peak_bytes_so_far`` (device 0's peak memory since the process
       started, a running maximum over the records; ``None`` on CPU),
@@ -755,8 +765,14 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             r["mfu"] = tokens * flops_per_token / (seconds * dp * peak) if peak else None
             rows[name] = dict(base, contender=name, **r)
         floor_ms = rows[FORWARD_BACKWARD]["step_ms"]
+        ns = rows[muon].get("newton_schulz")  # not measured for the fully sharded Muon
         for name in names[:-1]:
             rows[name]["optimizer_ms"] = rows[name]["step_ms"] - floor_ms
+            # What no schedule removes: forward+backward, and a Muon step's Newton-Schulz.
+            if "Muon" not in name:
+                rows[name]["floor_ms"] = floor_ms
+            elif ns:
+                rows[name]["floor_ms"] = floor_ms + ns["ns_computed_ms"]
         muon_ms = rows[muon]["step_ms"]
         rows[muon]["muon_overhead_pct"] = {
             n: 100 * (muon_ms / rows[n]["step_ms"] - 1)
