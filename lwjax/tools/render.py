@@ -266,9 +266,9 @@ def _print_floors(out, records: Sequence[dict]) -> None:
         )
     out.print(rows)
     notes = [
-        f"dp {r['dp']}: Newton-Schulz on the busiest rank, {ns['ns_gflop_computed_max_rank']:,.4g} "
-        f"GFLOP computed ({ns['ns_gflop_max_rank']:,.4g} as full products): "
-        f"{ns['ns_computed_ms']:.2f} ms at {ns['matmul_tflops']:.4g} TFLOP/s measured"
+        f"dp {r['dp']}: Newton-Schulz on the busiest rank, {ns['ns_gflop_computed_max_rank']:,.1f} "
+        f"GFLOP computed ({ns['ns_gflop_max_rank']:,.1f} as full products): "
+        f"{ns['ns_computed_ms']:.2f} ms at {ns['matmul_tflops']:,.1f} TFLOP/s measured"
         for r in records
         if (ns := r.get("newton_schulz"))
     ]
