@@ -596,10 +596,6 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
         optimizer = lwjax_optimizer(params, mesh, cfg, muon=name in (MUON, MUON_OVERLAP))
         step = lwjax_step(loss, optimizer, overlap_param_gather=overlap)
         args = (optimizer.init(params),) if overlap else (params, optimizer.init(params))
-        if name == MUON:
-            record = _measure(name, cfg, mesh, batch, step, args)
-            floor = newton_schulz_floor(optimizer.plan, mesh, cfg.ns_precision, cfg.iters, 1)
-            return dict(record, newton_schulz=floor)
     elif name in (MUON_OPTAX, MUON_OPTAX_PER_DEVICE):
         params = _replicated(_init_params(cfg, key, cfg.param_dtype), mesh)
         optimizer = lwjax_optimizer(params, mesh, cfg)
@@ -615,7 +611,12 @@ def _run_contender(name: str, cfg: TrainBenchConfig, mesh, batch) -> dict:
             forward_backward_step(loss, mesh),
             (_replicated(_init_params(cfg, key, cfg.param_dtype), mesh),),
         )
-    return _measure(name, cfg, mesh, batch, step, args)
+    record = _measure(name, cfg, mesh, batch, step, args)
+    if name == MUON:  # the compute Muon adds to forward+backward, once per dp size
+        record["newton_schulz"] = newton_schulz_floor(
+            optimizer.plan, mesh, cfg.ns_precision, cfg.iters, cfg.warmup
+        )
+    return record
 
 
 def _init_params(cfg: TrainBenchConfig, key, dtype) -> dict:
