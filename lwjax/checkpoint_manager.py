@@ -249,11 +249,10 @@ class CheckpointManager:
 
     def _set_aside_incomplete(self) -> None:
         """Move every incomplete step directory to ``<name>.lwjax-incomplete`` (warning), so
-        that neither orbax's retention nor a new step of that number meets it."""
-        incomplete, paths = self._survey()[1:]
-        if not incomplete:
-            return
+        that neither orbax's retention nor a new step of that number meets it. The first
+        process decides and renames; every process then reloads orbax's list of steps."""
         if jax.process_index() == 0:
+            incomplete, paths = self._survey()[1:]
             for step, why in incomplete.items():
                 path = paths[step]
                 aside = path.parent / (path.name + ASIDE_SUFFIX)
