@@ -9,9 +9,9 @@ boxed params, equinox modules with ``None`` leaves). It returns
 .. math:: u = \text{gather}(\text{master}') - p
 
 computed in at least fp32. ``optax.apply_updates`` computes :math:`p + u`,
-which need not round back to the gathered masters (in fp32, no :math:`u` may
-do so where :math:`p` and the master differ in sign or by more than a factor
-of two); where it does not, the master is set to that sum. So the parameters
+which need not round back to the gathered masters (in fp32, where :math:`p`
+and the master differ in sign or by more than a factor of two, there may be
+no :math:`u` that does); where it does not, the master is set to that sum. So the parameters
 ``apply_updates`` returns are exactly the masters cast to the parameter dtype,
 and a skipped step (an update of zeros) leaves them as they are.
 
@@ -139,7 +139,7 @@ def _is_unreduced(plan: StepPlan, grads) -> bool:
 
 
 def _masters_as_applied(plan: StepPlan, local_update: Callable, grads, state, params, **kwargs):
-    """``local_update``, then each master that ``p + u`` would not round back to set to that sum.
+    r"""``local_update``, then each master that ``p + u`` would not round back to set to that sum.
 
     :math:`a = p + (\text{new} - p)` as ``optax.apply_updates`` computes it (in at
     least fp32, before its cast to the parameter dtype). Where
@@ -160,7 +160,7 @@ def _masters_as_applied(plan: StepPlan, local_update: Callable, grads, state, pa
 
 
 def _difference(new: jax.Array, old: jax.Array) -> jax.Array:
-    """``new - old`` in at least fp32, so that ``old + (new - old)`` rounds back to ``new``."""
+    """``new - old`` in at least fp32, the update ``optax.apply_updates`` adds to ``old``."""
     dtype = jnp.promote_types(old.dtype, jnp.float32)
     return new.astype(dtype) - old.astype(dtype)
 
