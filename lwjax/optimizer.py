@@ -145,9 +145,9 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         data-parallel axes). ``params`` may be any pytree whose array leaves
         have the paths, shapes and dtypes the optimizer was built for.
       update: ``(grads, state, params) -> (updates, state)`` on global arrays.
-        For parameters narrower than fp32 the updates are fp32, so that
-        ``optax.apply_updates`` returns exactly the gathered ``bf16(master)``
-        (fp32 parameters: to within the rounding of ``p + (new - p)``).
+        The updates are at least fp32, and ``optax.apply_updates`` returns
+        exactly the masters cast to the parameter dtype (a master that
+        ``p + u`` does not round back to is set to that sum: :mod:`lwjax.transform`).
       plan: The :class:`~lwjax.plan.StepPlan`: routes, layout, per-rank
         tables, bucket schedule and options.
       mesh: The device mesh.

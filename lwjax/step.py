@@ -13,8 +13,8 @@ One step (:func:`update`):
 3. one ``psum`` of a few per-device sums gives the gradient norm of each norm
    group (each element lives in one shard, so nothing is counted twice), the
    clip coefficients :math:`c = \min(1, \text{clip} / (\lVert g \rVert + 10^{-6}))`
-   and the zero count (a non-finite norm or scheduled learning rate, or a scheduled weight
-   decay that is not a finite number >= 0, skips the step);
+   and the zero count (a non-finite norm, or a scheduled learning rate or weight decay
+   that is not a finite number >= 0, skips the step);
 4. update the owned shards: Muon on the owned matrices, one batched call per
    slot group (:func:`~lwjax.muon.muon_polar`, then
    :func:`~lwjax.muon.apply_polar`), the elementwise transform plus decoupled
@@ -342,14 +342,14 @@ def with_schedules_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -
     r"""``stats`` with the step also skipped where a schedule gives an unusable value.
 
     A NaN or infinite learning rate would make every updated master
-    non-finite; like a non-finite gradient, it keeps the old state instead.
-    So does a scheduled weight decay that is not finite or is negative
-    (:math:`p \leftarrow p - \eta\lambda p` with :math:`\lambda < 0` grows the
-    weights); it is never clipped to a valid value. A float weight decay was
-    checked when the :class:`~lwjax.optimizer.OptimizerConfig` was built.
+    non-finite, and a negative one would ascend the loss; like a non-finite
+    gradient, either keeps the old state instead. So does a scheduled weight
+    decay that is not finite or is negative (:math:`p \leftarrow p - \eta\lambda p`
+    with :math:`\lambda < 0` grows the weights); neither is clipped to a valid
+    value. Constant rates were checked when the optimizer was built.
     """
     lrs = jnp.stack([plan.learning_rate(count), plan.adam_learning_rate(count)])
-    usable = jnp.all(jnp.isfinite(lrs))
+    usable = jnp.all(jnp.isfinite(lrs) & (lrs >= 0))
     if callable(plan.config.weight_decay):
         decay = weight_decay_at(plan, count)
         usable = usable & jnp.isfinite(decay) & (decay >= 0)

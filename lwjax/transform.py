@@ -8,9 +8,12 @@ boxed params, equinox modules with ``None`` leaves). It returns
 
 .. math:: u = \text{gather}(\text{master}') - p
 
-computed in at least fp32, so ``optax.apply_updates`` gives back exactly the
-gathered ``bf16(master)`` for bf16 parameters; fp32 parameters come back to
-within the rounding of ``p + (new - p)`` (the masters themselves are exact).
+computed in at least fp32. ``optax.apply_updates`` computes :math:`p + u`,
+which need not round back to the gathered masters (in fp32, where :math:`p`
+and the master differ in sign or by more than a factor of two, there may be
+no :math:`u` that does); where it does not, the master is set to that sum. So the parameters
+``apply_updates`` returns are exactly the masters cast to the parameter dtype,
+and a skipped step (an update of zeros) leaves them as they are.
 
 Two gradient forms are accepted, told apart by their shapes:
 
@@ -75,12 +78,14 @@ def optax_functions(
         )
     )
 
+    exact_update = functools.partial(_masters_as_applied, flat, local_update)
+
     def unreduced(grads, state, params):
-        return local_update(flat, [g[0] for g in grads], state, params)
+        return exact_update([g[0] for g in grads], state, params)
 
     steps = {
         True: jax.shard_map(
-            functools.partial(local_update, flat, reduced=True),
+            functools.partial(exact_update, reduced=True),
             mesh=mesh,
             in_specs=(leaf_specs, state_specs, leaf_specs),
             out_specs=(leaf_specs, state_specs, P()),
@@ -133,8 +138,29 @@ def _is_unreduced(plan: StepPlan, grads) -> bool:
     return unreduced
 
 
+def _masters_as_applied(plan: StepPlan, local_update: Callable, grads, state, params, **kwargs):
+    r"""``local_update``, then each master that ``p + u`` would not round back to set to that sum.
+
+    :math:`a = p + (\text{new} - p)` as ``optax.apply_updates`` computes it (in at
+    least fp32, before its cast to the parameter dtype). Where
+    :math:`\text{cast}(a) \ne \text{cast}(\text{master}')`, the master becomes
+    :math:`a`; elsewhere it keeps its own (finer) value.
+    """
+    new, state, metrics = local_update(plan, grads, state, params, **kwargs)
+    applied = [p.astype(d.dtype) + d for p, d in zip(params, map(_difference, new, params))]
+    packed = step_lib.init(plan, applied).masters
+    masters = tuple(
+        tuple(
+            jnp.where(a.astype(b.key.param_dtype) == m.astype(b.key.param_dtype), m, a)
+            for m, a in zip(ms, applied_shards)
+        )
+        for b, ms, applied_shards in zip(plan.buffers, state.masters, packed)
+    )
+    return new, state._replace(masters=masters), metrics
+
+
 def _difference(new: jax.Array, old: jax.Array) -> jax.Array:
-    """``new - old`` in at least fp32, so that ``old + (new - old)`` rounds back to ``new``."""
+    """``new - old`` in at least fp32, the update ``optax.apply_updates`` adds to ``old``."""
     dtype = jnp.promote_types(old.dtype, jnp.float32)
     return new.astype(dtype) - old.astype(dtype)
 

@@ -24,6 +24,7 @@ from orbax.checkpoint._src.path import atomicity
 
 import lwjax
 from lwjax import LayoutConfig, RoutingRules, checkpoint
+from lwjax.checkpoint_manager import LOCK_FILE
 from lwjax.logical import from_logical, to_logical
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon
@@ -401,6 +402,11 @@ def _scaled(params, k):
     return jax.tree.map(lambda x: x * k, params)
 
 
+def _entries(run) -> list[str]:
+    """What a manager's directory holds besides its writer lock."""
+    return sorted(p.name for p in run.iterdir() if p.name != LOCK_FILE)
+
+
 def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path, monkeypatch):
     params, opt = _small(dp=2)
     state = opt.init(params)
@@ -408,7 +414,7 @@ def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path
     for step in (1, 2, 3):
         manager.save(step, _scaled(params, step), state, opt, metadata={"note": step})
     assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["2", "3"]
+    assert _entries(tmp_path / "run") == ["2", "3"]
     # Each step directory is an ordinary lwjax checkpoint.
     assert checkpoint.read_record(manager.step_path(2))["metadata"] == {"note": 2}
     # Restore the latest at dp 4 and an older step at dp 1.
@@ -420,9 +426,10 @@ def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path
     # A half-written step is no step; a new manager on the directory clears it away.
     (tmp_path / "run" / f"4{checkpoint.TMP_SUFFIX}-123").mkdir()
     assert manager.latest_step() == 3
+    manager.close()  # one writer per directory
     with lwjax.CheckpointManager(tmp_path / "run", max_to_keep=2, async_save=True) as again:
         assert again.all_steps() == [2, 3]
-        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["2", "3"]
+        assert _entries(tmp_path / "run") == ["2", "3"]
         # While step 4 is written in the background it is not a step, and step 2 stays.
         real_commit, may_commit = atomicity.AtomicRenameTemporaryPath.finalize, threading.Event()
 
@@ -437,7 +444,7 @@ def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path
         may_commit.set()
         again.wait_until_finished()
         assert again.all_steps() == [3, 4]
-        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["3", "4"]
+        assert _entries(tmp_path / "run") == ["3", "4"]
         _assert_trees_equal(again.restore(opt)[0], _scaled(params, 4))
 
 
@@ -473,7 +480,7 @@ def test_checkpoint_manager_killed_mid_save_keeps_the_previous_latest(tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
-    left = sorted(p.name for p in run.iterdir())
+    left = _entries(run)
     assert left[0] == "1" and len(left) == 2 and checkpoint.TMP_SUFFIX in left[1], left
     params, opt = _small(dp=2)
     manager = lwjax.CheckpointManager(run, max_to_keep=1)
@@ -481,7 +488,7 @@ def test_checkpoint_manager_killed_mid_save_keeps_the_previous_latest(tmp_path):
     restored, _ = manager.restore(opt)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((16, 8), np.float32))
     manager.save(2, params, opt.init(params), opt)
-    assert sorted(p.name for p in run.iterdir()) == ["2"]
+    assert _entries(run) == ["2"]
 
 
 def test_checkpoint_manager_bad_arguments_are_named(tmp_path):
@@ -505,7 +512,7 @@ def test_checkpoint_manager_bad_arguments_are_named(tmp_path):
         with pytest.raises(error, match="CheckpointManager.save: step must"):
             manager.save(step, params, state, opt)
     manager.save(5, params, state, opt)
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_5"]
+    assert _entries(tmp_path / "run") == ["step_5"]
     with pytest.raises(ValueError, match="step 5 is not after the latest step 5"):
         manager.save(5, params, state, opt)
     with pytest.raises(

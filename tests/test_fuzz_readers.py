@@ -4,15 +4,24 @@ exception that escapes read_megatron is DamagedCheckpointError, and no input han
 Seeds are the real fixtures (a legacy torch.save archive and a DCP .metadata plus storage).
 Each case flips, deletes, duplicates or truncates bytes of one file; the loop runs in a child
 process under a 3 GiB address-space limit (an allocation bomb becomes a MemoryError, which
-the reader must turn into its error) with a per-case alarm. Longer runs: tests/fuzz/.
+the reader must turn into its error) with a per-case alarm. Longer runs: tests/fuzz/, whose
+atheris harness is smoke-tested here for a few seconds per target so that it cannot rot.
 """
 
+import importlib.util
 import json
+import os
 import pathlib
+import random
 import subprocess
 import sys
+import time
+
+import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
+HARNESS = pathlib.Path(__file__).parent / "fuzz" / "fuzz_readers.py"
+TARGETS = ("torch_file", "torch_pickle", "dcp", "read_megatron")
 
 CHILD = r"""
 import json, pathlib, random, resource, shutil, signal, sys, tempfile, time
@@ -73,3 +82,50 @@ def test_only_the_readers_error_escapes_mutated_fixtures():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["cases"] > 50, report
     assert report["escaped"] == {}, report
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """tests/fuzz/fuzz_readers.py, imported (no atheris needed)."""
+    spec = importlib.util.spec_from_file_location("fuzz_readers", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_fuzz_harness_reads_its_seeds_and_lets_only_the_readers_error_out(harness, target):
+    """Each target of the atheris harness reads its seeds (real checkpoints) whole, then a
+    second of byte flips on them: an exception other than DamagedCheckpointError is raised."""
+    seeds = harness.seeds(target)
+    assert seeds, target
+    one = harness.one_input(harness.TARGETS[target], None)
+    before = dict(harness.STATS)
+    for seed in seeds[:40]:
+        one(seed)
+    assert harness.STATS["read"] - before["read"] == min(len(seeds), 40)
+    rng, end = random.Random(target), time.monotonic() + 1.0
+    while time.monotonic() < end:
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        one(bytes(data))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed")
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_fuzz_harness_runs_under_libfuzzer(tmp_path, target):
+    """The harness under libFuzzer, as README.md runs it but for 2 s and from no corpus (the
+    seeds are the test above's): it starts, fuzzes and finds nothing."""
+    findings = tmp_path / "findings"
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), target, "-max_total_time=2", "-timeout=5"]
+        + ["-rss_limit_mb=2048", "-max_len=100000", "-print_final_stats=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "LWJAX_FUZZ_FINDINGS": str(findings)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stderr.split("stat::number_of_executed_units:")[1].split()[0]) > 0
+    assert list(findings.iterdir()) == [], proc.stderr[-3000:]

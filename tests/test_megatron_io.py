@@ -8,6 +8,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import zipfile
@@ -180,6 +181,19 @@ def test_checkpoint_locations_and_errors(tmp_path):
         read_megatron(tmp_path)
     with pytest.raises(ValueError, match="reader must be one of"):
         read_megatron(FIXTURES / "muonL_ws1", reader="pickle")
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"torch_dist"', "null"])
+def test_a_metadata_json_of_another_shape_is_named(tmp_path, content):
+    """Megatron's metadata.json is an object; anything else is named as such, not as the
+    internal error it would make (``'list' object has no attribute 'get'``)."""
+    shutil.copytree(FIXTURES / "muonL_ws1", tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "iter_0000002" / "metadata.json").write_text(content)
+    kind = {"[": "list", '"': "str", "n": "NoneType"}[content[0]]
+    with pytest.raises(
+        DamagedCheckpointError, match=rf"metadata.json: a JSON {kind}, not an object such as"
+    ):
+        read_megatron(tmp_path / "ckpt")
 
 
 # --------------------------------------------------------------------------- with torch
@@ -429,6 +443,52 @@ def _dcp_dir(directory: pathlib.Path, shape, chunks, file_size: int) -> pathlib.
     return directory
 
 
+def _overlapping_chunks_dir(directory: pathlib.Path, n: int) -> pathlib.Path:
+    """A DCP directory whose .metadata gives tensor "w" ``n`` chunks that overlap (chunk i holds
+    elements i and i + 1), each its own 8 bytes of an 8n-byte __0_0.distcp. The pickle is
+    written opcode by opcode, from per-chunk templates (pickling n records takes minutes)."""
+    dcp = "torch.distributed.checkpoint."
+    names = ["metadata.Metadata", "metadata.TensorStorageMetadata", "metadata.TensorProperties"]
+    names += ["metadata.ChunkStorageMetadata", "metadata.MetadataIndex", "filesystem._StorageInfo"]
+    memo = b"".join(  # GLOBAL, BINPUT k, POP
+        f"c{(dcp + name).rpartition('.')[0]}\n{name.rpartition('.')[2]}\nq".encode()
+        + bytes([k])
+        + b"0"
+        for k, name in enumerate(names)
+    )
+    pack = struct.Struct("<i").pack
+    mark, mark8 = pack(0x5EED5EED), pack(0x5EED5EEE)  # stand for i and 8 * i in the templates
+
+    def text(value: str) -> bytes:
+        return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+    def record(k: int, **fields: bytes) -> bytes:  # memo k called with (), then BUILD
+        return (
+            b"h" + bytes([k]) + b")R}(" + b"".join(text(f) + v for f, v in fields.items()) + b"ub"
+        )
+
+    chunk = record(3, offsets=b"(J" + mark + b"t", sizes=b"(K\x02t").split(mark)
+    index, info = (
+        record(4, fqn=text("w"), offset=b"(J" + mark + b"t", index=b"K\x00")
+        + record(5, relative_path=text("__0_0.distcp"), offset=b"J" + mark8, length=b"K\x08")
+    ).split(mark)
+    info = info.split(mark8)
+    chunks = b"".join(chunk[0] + pack(i) + chunk[1] for i in range(n))
+    storage = b"".join(index + pack(i) + info[0] + pack(8 * i) + info[1] for i in range(n))
+    entry = record(
+        1,
+        properties=record(2, dtype=b"ctorch\nfloat32\n"),
+        size=b"(J" + pack(n + 1) + b"t",
+        chunks=b"](" + chunks + b"e",
+    )
+    meta = record(0, state_dict_metadata=b"}(" + text("w") + entry + b"u", storage_data=b"}(")
+    meta = meta[:-2] + storage + b"u" + meta[-2:]  # the storage dict's items, before its SETITEMS
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(b"\x80\x02" + memo + meta + b".")
+    (directory / "__0_0.distcp").write_bytes(bytes(8 * n))
+    return directory
+
+
 def _shared_tuples(levels: int) -> bytes:
     """t = (t, t), ``levels`` times: a few bytes, 2**levels entries written out as a tree."""
     return b"\x80\x02)" + b"2\x86" * levels + b"."
@@ -517,6 +577,11 @@ def _hostile_cases(tmp: pathlib.Path) -> dict[str, tuple[str, str, str]]:
                 tmp / "overlap", (2, 4), [((0, 0), (1, 4), 0, 64), ((1, 0), (1, 4), 0, 64)], 64
             ),
             r"overlap those of w",
+        ),
+        "dcp_200k_overlapping_chunks": (  # parsed whole, it took 70 s and 660 MiB
+            "dcp",
+            _overlapping_chunks_dir(tmp / "many", 200_000),
+            r"33000500 bytes of DCP metadata, more than the 1600000 bytes of the files beside it",
         ),
         "empty_tensor_of_2e40_layers": (  # state.py walks layers: 2**22 of them took 15 s
             "archive",
@@ -607,6 +672,7 @@ def hostile_results(tmp_path_factory):
         "deflated_declared_4gib",
         "dcp_tensor_beyond_its_bytes",
         "dcp_ranges_overlap",
+        "dcp_200k_overlapping_chunks",
         "empty_tensor_of_2e40_layers",
         "dcp_empty_tensor_of_2e40_layers",
         "tensors_overlapping_a_storage",

@@ -255,3 +255,53 @@ def test_pipelined_optax_form_trains_as_the_serial_step():
         _close(params, want)
         assert bool(state.speculate) == (float(norm) <= 1.0), float(norm)
     assert bool(state.speculate)  # the MLP's norm stays under the clip: later steps speculated
+
+
+def _optax_steps(tx, params, grads_of, steps):
+    """``steps`` jitted optax steps; per step the parameters apply_updates gave and the state."""
+    update = jax.jit(tx.update)
+    state, out = tx.init(params), []
+    for i in range(steps):
+        updates, state = update(grads_of(params, i), state, params)
+        params = optax.apply_updates(params, updates)
+        out.append((params, state))
+    return out
+
+
+def test_fp32_params_are_exactly_the_masters_and_a_skipped_step_moves_nothing():
+    """``params + update`` is bit for bit the gathered masters (fp32: ``p + (new - p)`` does not
+    always round to ``new``, so those masters take the sum); an infinite gradient then changes
+    neither the state nor, through a zero update, the parameters."""
+    mesh = _mesh()
+    batch = _batch(mesh)
+    graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
+    params = nnx.as_pure(params)
+    tx = lwjax.layerwise_muon(params, mesh, learning_rate=0.05)
+    grad = jax.jit(jax.grad(lambda p: _loss(nnx.merge(graphdef, p), batch)))
+
+    def grads_of(p, i):
+        g = grad(p)
+        return jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), g) if i == 4 else g
+
+    history = _optax_steps(tx, params, grads_of, 5)
+    for params, state in history:
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(tx.gather_params(state))):
+            np.testing.assert_array_equal(got, want)
+    (before, old), (after, new) = history[-2:]
+    assert int(new.count) == int(old.count) == 4
+    for a, b in zip(jax.tree.leaves((after, new)), jax.tree.leaves((before, old))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("rate", ["learning_rate", "adam_learning_rate"])
+def test_a_negative_scheduled_learning_rate_skips_the_step(rate):
+    """As a negative scheduled weight decay does: no gradient ascent, the count stays."""
+    mesh = _mesh(2)
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 8)), "b": jnp.ones(8)}
+    schedule = lambda count: jnp.where(count == 1, -0.01, 0.01)  # noqa: E731
+    tx = lwjax.layerwise_muon(params, mesh, **{rate: schedule})
+    history = _optax_steps(tx, params, lambda p, i: jax.tree.map(jnp.ones_like, p), 2)
+    (first, state1), (second, state2) = history
+    assert int(state1.count) == int(state2.count) == 1
+    for a, b in zip(jax.tree.leaves(second), jax.tree.leaves(first)):
+        np.testing.assert_array_equal(a, b)

@@ -236,3 +236,19 @@ def test_overlapped_param_gather_is_the_default_step_with_model_state_keys_and_m
     plain = lwjax.make_train_step(loss_fn, opt, overlap_param_gather=True, mutable=True)
     with pytest.raises(TypeError, match="argument 'state' must be the optimizer's LayerwiseState"):
         plain(p, s_o, r_o)
+
+
+@pytest.mark.parametrize("rate", ["learning_rate", "adam_learning_rate"])
+def test_a_negative_scheduled_learning_rate_skips_the_step(rate):
+    """As a negative scheduled weight decay does: the step is skipped, not an ascent, and the
+    count stays (a negative constant rate is refused when the optimizer is built)."""
+    params, batch = _linear_problem()
+    schedule = lambda count: jnp.where(count == 1, -0.01, 0.01)  # noqa: E731
+    opt = lwjax.layerwise_muon(params, _mesh(), **{rate: schedule})
+    step = lwjax.make_train_step(_mse, opt, donate=False)
+    p1, state1, m1 = step(params, opt.init(params), batch)
+    p2, state2, m2 = step(p1, state1, batch)
+    assert not bool(m1["skipped"]) and bool(m2["skipped"])
+    assert int(state1.count) == int(state2.count) == 1
+    for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p1, state1))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -16,8 +16,9 @@ A DCP checkpoint directory (Megatron's ``torch_dist`` format) holds:
 through torch's own loader, and both return the same bytes. :func:`save_dcp_torch`
 writes one chunk per tensor with torch.
 
-Before a byte is read, :func:`read_dcp_index` checks what ``.metadata`` says
-against the files: every storage file is a regular file in the directory, every
+Before a byte is read, :func:`read_dcp_index` checks that ``.metadata`` is not
+larger than the files it indexes could account for, then what it says against
+the files: every storage file is a regular file in the directory, every
 byte range lies inside its file and overlaps no other, every chunk lies inside
 its tensor, holds at most its range's bytes, and the chunks of a tensor add up to
 exactly its elements. A global tensor is therefore never larger than the bytes
@@ -113,6 +114,33 @@ def _location(info, what: str) -> tuple[str, int, int]:
     return name, start, length
 
 
+# What a .metadata may hold beyond the size of the storage files beside it (see below).
+INDEX_FLOOR_BYTES = 1 << 20
+
+
+def _check_index_size(meta_path: pathlib.Path, size: int) -> None:
+    """Refuse, before parsing, a ``.metadata`` larger than the files beside it account for.
+
+    Each chunk or object it lists is a ``torch.save`` archive of over 1 KiB in a
+    storage file of the directory, and takes a few hundred bytes of the index:
+    a real index is a fraction of its storage (the fixtures: 2-10 %). One past
+    :data:`INDEX_FLOOR_BYTES` plus the storage's size (e.g. 200,000 overlapping
+    chunks over a few kilobytes) is refused at once, not after minutes and
+    gigabytes of parsing.
+    """
+    storage = sum(
+        entry.stat(follow_symlinks=False).st_size
+        for entry in os.scandir(meta_path.parent)
+        if entry.is_file(follow_symlinks=False) and entry.name != meta_path.name
+    )
+    if size > INDEX_FLOOR_BYTES + storage:
+        raise DamagedCheckpointError(
+            f"{meta_path}: {size} bytes of DCP metadata, more than the {storage} bytes of the "
+            f"files beside it plus {INDEX_FLOOR_BYTES} can account for (each entry indexes an "
+            "archive of over 1 KiB); a damaged or hostile index, or storage files are missing."
+        )
+
+
 def read_dcp_index(directory, *, max_bytes: int | None = None) -> DcpIndex:
     """Read and check a DCP ``.metadata`` file without torch (the checks: module docstring).
 
@@ -129,6 +157,7 @@ def read_dcp_index(directory, *, max_bytes: int | None = None) -> DcpIndex:
     meta_path = directory / ".metadata"
     with open_checkpoint_file(meta_path, directory, "DCP metadata") as f:
         try:
+            _check_index_size(meta_path, os.fstat(f.fileno()).st_size)
             raw = f.read()
         except OSError as err:
             raise DamagedCheckpointError(

@@ -371,9 +371,15 @@ def _read_torch_dist(directory: pathlib.Path, reader: Reader) -> dict:
     meta_json = directory / "metadata.json"
     if meta_json.exists():
         try:
-            backend = json.loads(meta_json.read_text()).get("sharded_backend")
+            record = json.loads(meta_json.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{meta_json}: unreadable: {err}") from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{meta_json}: a JSON {type(record).__name__}, not an object such as "
+                '{"sharded_backend": "torch_dist", ...}.'
+            )
+        backend = record.get("sharded_backend")
         if backend not in (None, "torch_dist"):
             raise ValueError(
                 f"{meta_json}: sharded_backend is {backend!r}; only 'torch_dist' is supported."

@@ -15,8 +15,13 @@ Targets, each seeded with the real fixtures in tests/fixtures/megatron/:
 Only ``DamagedCheckpointError`` may escape a reader; any other exception is a finding.
 By default a finding stops the run (libFuzzer keeps the input as ``crash-*``); with
 ``LWJAX_FUZZ_FINDINGS=DIR`` each new exception kind is written to DIR and the run goes on.
+
+Imported rather than run (``tests/test_fuzz_readers.py`` does, as a smoke test of every
+target), it needs no atheris: :func:`seeds` and :func:`one_input` drive the targets directly.
 """
 
+import atexit
+import contextlib
 import hashlib
 import io
 import json
@@ -27,10 +32,14 @@ import sys
 import tempfile
 import time
 
-import atheris
+if __name__ == "__main__":
+    import atheris
 
-# Instrumented for coverage: our readers, and the pure-Python pickle and zipfile they run.
-with atheris.instrument_imports(include=["lwjax.megatron", "pickle", "zipfile"]):
+    # Instrumented for coverage: our readers, and the pure-Python pickle and zipfile they run.
+    _instrumented = atheris.instrument_imports(include=["lwjax.megatron", "pickle", "zipfile"])
+else:
+    _instrumented = contextlib.nullcontext()
+with _instrumented:
     from lwjax.megatron.dcp import load_dcp, read_dcp_index
     from lwjax.megatron.errors import DamagedCheckpointError
     from lwjax.megatron.pickle_io import load_torch_archive, load_torch_file
@@ -47,10 +56,12 @@ LEGACY_FILES = (
     "legacy_adam/iter_0000002/mp_rank_00/distrib_optim.pt",
 )
 WORK = pathlib.Path(tempfile.mkdtemp(prefix="lwjax-fuzz-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # libFuzzer's exit skips it
 
 
-def _iteration(name: str) -> pathlib.Path:
-    return next((FIXTURES / name).glob("iter_*"))
+def _iteration(name: str) -> pathlib.Path | None:
+    """The fixture's iteration directory; ``None`` for fixtures without one (``tp2_*``)."""
+    return next((FIXTURES / name).glob("iter_*"), None)
 
 
 def _split(archive: bytes) -> tuple[str, bytes, dict[str, bytes]]:
@@ -76,7 +87,7 @@ def _chunk_archives() -> list[bytes]:
     seen, out = set(), []
     for name in sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()):
         directory = _iteration(name)
-        if not (directory / ".metadata").exists():
+        if directory is None or not (directory / ".metadata").exists():
             continue
         index = read_dcp_index(directory)
         spans = list(index.objects.values())
@@ -95,7 +106,8 @@ TEMPLATES = [_split((FIXTURES / rel).read_bytes()) for rel in LEGACY_FILES]
 TEMPLATES += [_split(data) for data in _chunk_archives()[:12]]
 
 
-def _seeds(target: str) -> list[bytes]:
+def seeds(target: str) -> list[bytes]:
+    """The inputs a target's corpus starts from: the real fixtures, as that target reads them."""
     if target == "torch_file":
         return _chunk_archives()
     if target == "torch_pickle":
@@ -170,7 +182,10 @@ TARGETS = {
 STATS = {"executions": 0, "refused": 0, "read": 0, "slowest_s": 0.0, "findings": {}}
 
 
-def _one_input(read, findings: pathlib.Path | None):
+def one_input(read, findings: pathlib.Path | None):
+    """libFuzzer's callback for the target ``read``: counts, times and (with ``findings``)
+    records what escapes; without ``findings`` an escaping exception is raised."""
+
     def test_one_input(data: bytes) -> None:
         start = time.perf_counter()
         try:
@@ -219,14 +234,14 @@ def main(argv: list[str]) -> None:
     flags = argv[2:]
     corpus = [a for a in flags if not a.startswith("-")]
     if corpus and not any(pathlib.Path(corpus[0]).iterdir()):
-        for i, seed in enumerate(_seeds(TARGET)):
+        for i, seed in enumerate(seeds(TARGET)):
             (pathlib.Path(corpus[0]) / f"seed-{i:03d}").write_bytes(seed)
     findings = os.environ.get("LWJAX_FUZZ_FINDINGS")
     if findings:
         pathlib.Path(findings).mkdir(parents=True, exist_ok=True)
     atheris.Setup(
         [argv[0], *flags],
-        _one_input(TARGETS[TARGET], pathlib.Path(findings) if findings else None),
+        one_input(TARGETS[TARGET], pathlib.Path(findings) if findings else None),
     )
     atheris.Fuzz()
 
