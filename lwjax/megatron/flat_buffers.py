@@ -94,67 +94,83 @@ def unflatten_buffers(
       ``({"masters"|"exp_avg"|"exp_avg_sq": {key: global stacked array}}, order name)``.
     """
     per_layer_model = layer_slices(model)
-    glu = is_glu(args)
     failures = []
     for order_name, order in orders.items():
         members = [(k, i) for k, i in order if k not in exclude]
-        pieces: dict[str, dict[tuple, list]] = {kind: {} for kind in FLAT_KINDS.values()}
-        problem = None
-        for (rank, gbuf), buckets in sorted(buffers.items()):
-            dtype = gbuf_dtypes[gbuf]
-            mine = [(k, i) for k, i in members if model[k].dtype.name == dtype]
-            specs = [
-                ParamSpec(
-                    name=f"{k}#{i}",
-                    dtype=dtype,
-                    # A tied embedding is not isolated: Megatron sets shared_embedding
-                    # only at pipeline size > 1, whose flat buffers are refused above.
-                    shape=names_lib.tp_local_shape(k, per_layer_model[(k, i)].shape, tp),
-                )
-                for k, i in mine
-            ]
-            sizes = [next(iter(b.values())).size for b in buckets]
-            layout = compute_distributed_optimizer_layout(
-                specs, 1, bucket_size=_bucket_size_for(sizes, args)
-            )
-            if list(layout.per_bucket_numel_unpadded) != sizes:
-                problem = (
-                    f"buffer {gbuf} of tensor-parallel rank {rank}: re-derived bucket sizes "
-                    f"{list(layout.per_bucket_numel_unpadded)} differ from the stored {sizes}"
-                )
-                break
-            for spec, (k, i) in zip(specs, mine):
-                start, end, bucket = layout.param_index_map[spec.name]
-                offset = layout.bucket_indices[bucket][0]
-                for kind, flat in buckets[bucket].items():
-                    piece = flat[start - offset : end - offset].reshape(spec.shape)
-                    pieces[FLAT_KINDS[kind]].setdefault((k, i), [None] * tp)[rank] = piece
-        if problem is None:
-            merged = {
-                kind: {
-                    ki: names_lib.tp_merge(ki[0], parts, glu=glu)
-                    for ki, parts in per.items()
-                    if all(p is not None for p in parts)
-                }
-                for kind, per in pieces.items()
-            }
-            bad = [
-                f"{k}[{i}]"
-                for (k, i), m in merged["masters"].items()
-                if not rounds_to(m, per_layer_model[(k, i)])
-            ]
-            if not merged["masters"]:
-                problem = "the buffers hold no fp32 'param' entries to check the layout against"
-            elif bad:
-                problem = (
-                    "masters do not round to the model weights for "
-                    f"{bad[:4]}{'...' if len(bad) > 4 else ''}"
-                )
-            else:
-                return {kind: stack_layers(per, model) for kind, per in merged.items()}, order_name
-        failures.append(f"{order_name} order: {problem}")
+        try:
+            pieces = _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp, args)
+            merged = _merged_and_checked(pieces, per_layer_model, is_glu(args))
+        except _WrongOrder as problem:
+            failures.append(f"{order_name} order: {problem}")
+            continue
+        return {kind: stack_layers(per, model) for kind, per in merged.items()}, order_name
     raise ValueError(
         f"{where}: cannot re-derive the DistributedOptimizer flat-buffer layout; "
         + "; ".join(failures)
         + "."
     )
+
+
+class _WrongOrder(Exception):
+    """The buffers do not fit a candidate order; the message says where."""
+
+
+def _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp: int, args) -> dict:
+    """Per kind, ``(key, layer) -> [piece of each tensor-parallel rank]`` cut from the
+    buffers at the layout re-derived for ``members`` (one definition order).
+    """
+    pieces: dict[str, dict[tuple, list]] = {kind: {} for kind in FLAT_KINDS.values()}
+    for (rank, gbuf), buckets in sorted(buffers.items()):
+        dtype = gbuf_dtypes[gbuf]
+        mine = [(k, i) for k, i in members if model[k].dtype.name == dtype]
+        specs = [
+            ParamSpec(
+                name=f"{k}#{i}",
+                dtype=dtype,
+                # A tied embedding is not isolated: Megatron sets shared_embedding only at
+                # pipeline size > 1, whose flat buffers the readers refuse.
+                shape=names_lib.tp_local_shape(k, per_layer_model[(k, i)].shape, tp),
+            )
+            for k, i in mine
+        ]
+        sizes = [next(iter(b.values())).size for b in buckets]
+        layout = compute_distributed_optimizer_layout(
+            specs, 1, bucket_size=_bucket_size_for(sizes, args)
+        )
+        if list(layout.per_bucket_numel_unpadded) != sizes:
+            raise _WrongOrder(
+                f"buffer {gbuf} of tensor-parallel rank {rank}: re-derived bucket sizes "
+                f"{list(layout.per_bucket_numel_unpadded)} differ from the stored {sizes}"
+            )
+        for spec, (k, i) in zip(specs, mine):
+            start, end, bucket = layout.param_index_map[spec.name]
+            offset = layout.bucket_indices[bucket][0]
+            for kind, flat in buckets[bucket].items():
+                piece = flat[start - offset : end - offset].reshape(spec.shape)
+                pieces[FLAT_KINDS[kind]].setdefault((k, i), [None] * tp)[rank] = piece
+    return pieces
+
+
+def _merged_and_checked(pieces: dict, per_layer_model: Mapping, glu: bool) -> dict:
+    """The tensor-parallel pieces merged; every master must round to its model weight."""
+    merged = {
+        kind: {
+            ki: names_lib.tp_merge(ki[0], parts, glu=glu)
+            for ki, parts in per.items()
+            if all(p is not None for p in parts)
+        }
+        for kind, per in pieces.items()
+    }
+    bad = [
+        f"{k}[{i}]"
+        for (k, i), m in merged["masters"].items()
+        if not rounds_to(m, per_layer_model[(k, i)])
+    ]
+    if not merged["masters"]:
+        raise _WrongOrder("the buffers hold no fp32 'param' entries to check the layout against")
+    if bad:
+        raise _WrongOrder(
+            "masters do not round to the model weights for "
+            f"{bad[:4]}{'...' if len(bad) > 4 else ''}"
+        )
+    return merged
