@@ -26,8 +26,10 @@ from lwjax.megatron import (
     save_safetensors,
 )
 from lwjax.megatron import names as names_lib
-from lwjax.megatron import state as state_lib
+from lwjax.megatron import read_legacy as legacy_lib
+from lwjax.megatron import read_torch_dist as torch_dist_lib
 from lwjax.megatron.gpt import split_qkv, tree_from_keys
+from lwjax.megatron.pickle_io import load_torch_file
 from lwjax.tools.cli import main
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
@@ -105,8 +107,10 @@ def test_flat_buffer_layout_rederived_exactly(flat, reference):
 
 def test_flat_buffer_layer_spec_is_chosen_by_the_masters(monkeypatch):
     assert read_megatron(FIXTURES / "adam_ws1").source["layer_spec"] == "local"
-    all_orders = state_lib._flat_orders
-    monkeypatch.setattr(state_lib, "_flat_orders", lambda model: {"te": all_orders(model)["te"]})
+    all_orders = torch_dist_lib._flat_orders
+    monkeypatch.setattr(
+        torch_dist_lib, "_flat_orders", lambda model: {"te": all_orders(model)["te"]}
+    )
     with pytest.raises(
         ValueError,
         match="cannot re-derive the DistributedOptimizer flat-buffer layout; te order: "
@@ -118,10 +122,10 @@ def test_flat_buffer_layer_spec_is_chosen_by_the_masters(monkeypatch):
 def test_legacy_layer_wise_ids_are_named_as_megatron_numbers_them():
     info = _info("legacy_muon")
     names = [(p["name"], tuple(p["shape"])) for p in info["params_forward_order"]]
-    children = state_lib.load_torch_file(
+    children = load_torch_file(
         FIXTURES / "legacy_muon/iter_0000002/mp_rank_00/layer_wise_optimizer_0.pt"
     )
-    pools = state_lib._child_pools(children, names)
+    pools = legacy_lib._child_pools(children, names)
     assert pools == [child["groups"] for child in info["rank0_children"]]
 
 

@@ -717,9 +717,9 @@ def test_build_on_a_class_or_function_is_refused():
 def test_a_huge_tensor_parallel_size_in_the_args_is_refused_without_allocating(monkeypatch):
     """``tensor_model_parallel_size`` comes from the file; the flat-buffer check must not
     build ``range`` of it."""
-    import lwjax.megatron.state as state_lib
+    import lwjax.megatron.read_torch_dist as torch_dist_lib
 
-    real = state_lib.load_dcp
+    real = torch_dist_lib.load_dcp
 
     def load_with_huge_tp(directory, **kwargs):
         raw = real(directory, **kwargs)
@@ -728,6 +728,6 @@ def test_a_huge_tensor_parallel_size_in_the_args_is_refused_without_allocating(m
                 vars(value["args"])["tensor_model_parallel_size"] = 10**12
         return raw
 
-    monkeypatch.setattr(state_lib, "load_dcp", load_with_huge_tp)
+    monkeypatch.setattr(torch_dist_lib, "load_dcp", load_with_huge_tp)
     with pytest.raises(DamagedCheckpointError, match="expected one per tensor-parallel"):
         read_megatron(FIXTURES / "adam_ws1")

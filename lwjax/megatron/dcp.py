@@ -13,8 +13,8 @@ A DCP checkpoint directory (Megatron's ``torch_dist`` format) holds:
 
 :func:`load_dcp` assembles global arrays from their chunks with numpy only
 (through :mod:`lwjax.megatron.pickle_io`); :func:`load_dcp_torch` does the same
-through torch's own loader, and both return the same bytes. :func:`save_dcp_torch`
-writes one chunk per tensor with torch.
+through torch's own loader (:mod:`lwjax.megatron.torch_io`), and both return the same
+bytes. :func:`save_dcp_torch` writes one chunk per tensor with torch.
 
 Before a byte is read, :func:`read_dcp_index` checks that ``.metadata`` is not
 larger than the files it indexes could account for, then what it says against
@@ -40,6 +40,7 @@ from lwjax.megatron.allow_list import TORCH_DTYPES, Opaque
 from lwjax.megatron.budget import new_budget
 from lwjax.megatron.errors import INPUT_ERRORS, DamagedCheckpointError
 from lwjax.megatron.pickle_io import load_torch_archive, open_checkpoint_file
+from lwjax.megatron.torch_io import import_torch, to_numpy, to_torch, torch_load
 from lwjax.megatron.unpickler import loads
 
 
@@ -375,63 +376,6 @@ def load_dcp(directory, keys=None, *, max_bytes: int | None = None) -> dict[str,
     return out
 
 
-# --------------------------------------------------------------------------- torch
-
-
-def import_torch(what: str):
-    """``import torch``, or a ValueError saying that ``what`` needs it."""
-    try:
-        import torch
-    except ImportError:
-        raise ValueError(
-            f"{what} needs torch; install it with pip install 'lwjax[megatron]', "
-            "or use the numpy reader."
-        ) from None
-    return torch
-
-
-def to_numpy(obj):
-    """Turn torch tensors and dtypes inside ``obj`` into numpy arrays and ``"torch.<name>"``
-    strings.
-    """
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(TORCH_DTYPES["bfloat16"]).copy()
-        return t.numpy().copy()
-    if isinstance(obj, torch.dtype):
-        return str(obj)
-    if isinstance(obj, torch.Size):
-        return tuple(obj)
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
-        for key, value in obj.items():
-            out[to_numpy(key)] = to_numpy(value)
-        return out
-    if isinstance(obj, list):
-        return [to_numpy(x) for x in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_numpy(x) for x in obj)
-    return obj
-
-
-def torch_load(source, *, where: str):
-    """``torch.load`` with ``weights_only=True``, admitting ``argparse.Namespace``; numpy out."""
-    import argparse
-    import pickle
-
-    torch = import_torch("reader='torch'")
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            obj = torch.load(source, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DamagedCheckpointError(f"{where}: torch.load failed: {first}") from None
-    return to_numpy(obj)
-
-
 def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
     """Load a DCP checkpoint through torch (``dcp.load``); same output as :func:`load_dcp`.
 
@@ -479,15 +423,6 @@ def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
     return out
 
 
-def _to_torch(array: np.ndarray):
-    import torch
-
-    array = np.ascontiguousarray(array)
-    if array.dtype == TORCH_DTYPES["bfloat16"]:
-        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(array.copy())
-
-
 def save_dcp_torch(directory, tensors: dict[str, np.ndarray], objects: dict[str, Any]) -> None:
     """Write a DCP checkpoint with torch: one chunk per tensor, objects as byte entries.
 
@@ -508,7 +443,7 @@ def save_dcp_torch(directory, tensors: dict[str, np.ndarray], objects: dict[str,
             raise ValueError(
                 f"{key}: cannot write an object this reader could not rebuild ({value!r})."
             )
-    state: dict[str, Any] = {key: _to_torch(value) for key, value in tensors.items()}
+    state: dict[str, Any] = {key: to_torch(value) for key, value in tensors.items()}
     state.update({key: [value] for key, value in objects.items()})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -77,6 +77,14 @@ AFTER_LAYERS = (
     "decoder.final_layernorm.bias",
     "output_layer.weight",
 )
+# Optimizer-state kinds in Megatron's keys -> the MegatronState table that holds them.
+STATE_KINDS = {
+    "fp32_param": "masters",
+    "param": "masters",
+    "momentum_buffer": "momentum",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
