@@ -16,7 +16,7 @@ On disk (orbax-checkpoint, one composite checkpoint)::
                      leaf routing, elementwise transform, and each array's shape, dtype
                      and fingerprint
 
-Saves are atomic: orbax writes ``<path>.orbax-checkpoint-tmp`` and renames it
+Saves are atomic (the directory mechanics live in :mod:`lwjax.checkpoint_files`): orbax writes ``<path>.orbax-checkpoint-tmp`` and renames it
 when complete, so an interrupted save leaves nothing at ``<path>``;
 :func:`restore` refuses a temporary or uncommitted directory. An overwrite
 writes the new checkpoint beside the old one (``<path>.lwjax-new``) and swaps
@@ -35,10 +35,6 @@ multi-host global arrays (orbax writes each host's shards) and, with
 
 from __future__ import annotations
 
-import json
-import re
-import sys
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +45,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax import checkpoint_files as files
 from lwjax.checkpoint_record import (
     FORMAT,
     FORMAT_VERSION,
@@ -65,12 +62,6 @@ from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.routing import LeafRoute, path_name
 from lwjax.step import LayerwiseState
 
-ARRAYS_ITEM = "arrays"
-RECORD_ITEM = "lwjax"
-TMP_SUFFIX = ".orbax-checkpoint-tmp"
-NEW_SUFFIX = ".lwjax-new"  # an overwrite's new checkpoint, until it is swapped in
-OLD_SUFFIX = ".lwjax-old"  # the overwritten checkpoint, while the new one is swapped in
-
 
 class AsyncSave:
     """A save running in the background; :meth:`wait` blocks until it is committed."""
@@ -84,44 +75,8 @@ class AsyncSave:
         """Block until the checkpoint is complete at :attr:`path`; return it."""
         self._checkpointer.wait_until_finished()
         if self._written != self.path:
-            _swap_in(self._written, self.path)
+            files.swap_in(self._written, self.path)
         return self.path
-
-
-def _ocp():
-    import orbax.checkpoint as ocp
-
-    return ocp
-
-
-def _as_path(path) -> epath.Path:
-    """An absolute local path, or a remote one (``gs://...``) as orbax takes it."""
-    path = epath.Path(path)
-    return path if "://" in str(path) else epath.Path(path.resolve())
-
-
-def _check_new_path(path: epath.Path, overwrite: bool) -> None:
-    """Refuse temporary names and (without ``overwrite``) existing checkpoints.
-
-    An interrupted overwrite is finished first: a committed checkpoint it
-    left beside ``path`` is moved to ``path``, and its other leftovers removed.
-    """
-    for suffix in (TMP_SUFFIX, NEW_SUFFIX, OLD_SUFFIX):
-        if suffix in path.name:
-            raise ValueError(
-                f"{path}: a checkpoint path may not contain {suffix!r}; lwjax and orbax use it "
-                "for unfinished saves."
-            )
-    resolved = _resolved(path)
-    if resolved != path and jax.process_index() == 0:
-        resolved.rename(path)
-    _sync("lwjax_checkpoint_recover")
-    for suffix in (NEW_SUFFIX, OLD_SUFFIX):
-        _remove(_sibling(path, suffix))
-    if path.exists() and not overwrite:
-        raise ValueError(
-            f"{path}: already exists; pass overwrite=True (--overwrite) to replace it."
-        )
 
 
 def save_logical(
@@ -163,8 +118,8 @@ def save_logical(
     Returns:
       An :class:`AsyncSave` when ``async_save``, else ``None`` once committed.
     """
-    path = _as_path(path)
-    _check_new_path(path, overwrite)
+    path = files.as_path(path)
+    files.check_new_path(path, overwrite)
     arrays, record = build_contents(
         params,
         logical,
@@ -175,14 +130,14 @@ def save_logical(
         elementwise_transform=elementwise_transform,
     )
     # An overwrite writes beside the old checkpoint and swaps the new one in once committed.
-    written = _sibling(path, NEW_SUFFIX) if path.exists() else path
+    written = files.sibling(path, files.NEW_SUFFIX) if path.exists() else path
     if written != path:
-        _remove(written)
+        files.remove(written)
     checkpointer = _write(written, arrays, record, async_save)
     if async_save:
         return AsyncSave(checkpointer, path, written)
     if written != path:
-        _swap_in(written, path)
+        files.swap_in(written, path)
     return None
 
 
@@ -214,7 +169,7 @@ def _options(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
 
 def _write(path: epath.Path, arrays: Mapping[str, Any], record: Mapping, async_save: bool):
     """Start orbax's save of the arrays and the record to the new ``path``; the checkpointer."""
-    ocp = _ocp()
+    ocp = files.ocp()
     handler = ocp.CompositeCheckpointHandler()
     checkpointer = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
     checkpointer.save(path, _composite(arrays, record))
@@ -222,64 +177,13 @@ def _write(path: epath.Path, arrays: Mapping[str, Any], record: Mapping, async_s
 
 
 def _composite(arrays: Mapping[str, Any], record: Mapping):
-    ocp = _ocp()
+    ocp = files.ocp()
     return ocp.args.Composite(
-        **{ARRAYS_ITEM: ocp.args.StandardSave(dict(arrays)), RECORD_ITEM: ocp.args.JsonSave(record)}
+        **{
+            files.ARRAYS_ITEM: ocp.args.StandardSave(dict(arrays)),
+            files.RECORD_ITEM: ocp.args.JsonSave(record),
+        }
     )
-
-
-def _sibling(path: epath.Path, suffix: str) -> epath.Path:
-    return path.parent / (path.name + suffix)
-
-
-def _remove(path: epath.Path) -> None:
-    """Delete a directory tree (on the first process of a multi-process job), if it exists."""
-    if jax.process_index() == 0 and path.exists():
-        path.rmtree()
-    _sync("lwjax_checkpoint_remove")
-
-
-def _swap_in(new: epath.Path, path: epath.Path) -> None:
-    """Replace the checkpoint at ``path`` by the committed one at ``new``.
-
-    Two renames with the old checkpoint set aside in between, so ``path``
-    holds a complete checkpoint before, after, and (through
-    :func:`_resolved`) between them.
-    """
-    old = _sibling(path, OLD_SUFFIX)
-    _remove(old)
-    if jax.process_index() == 0:
-        path.rename(old)
-        new.rename(path)
-    _sync("lwjax_checkpoint_swap")
-    _remove(old)
-
-
-def _sync(name: str) -> None:
-    """A barrier over the job's processes (nothing to wait for in one process)."""
-    if jax.process_count() > 1:
-        _ocp().multihost.sync_global_processes(name)
-
-
-def _is_committed(path: epath.Path) -> bool:
-    """Whether ``path`` is a checkpoint orbax finished writing (committed metadata)."""
-    try:
-        meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(meta, Mapping) and meta.get("commit_timestamp_nsecs") is not None
-
-
-def _resolved(path: epath.Path) -> epath.Path:
-    """``path``, or, where an overwrite was interrupted between its two renames, the
-    committed checkpoint it left beside: the new one if it committed, else the old one."""
-    if path.exists():
-        return path
-    for suffix in (NEW_SUFFIX, OLD_SUFFIX):
-        candidate = _sibling(path, suffix)
-        if _is_committed(candidate):
-            return candidate
-    return path
 
 
 def save(
@@ -335,54 +239,19 @@ def save(
     )
 
 
-def _checked_path(path) -> epath.Path:
-    """The checkpoint directory, after refusing missing, temporary and uncommitted ones.
-
-    Where an overwrite was interrupted between its renames, the committed
-    checkpoint it left beside ``path`` (:func:`_resolved`).
-    """
-    path = _resolved(_as_path(path))
-    if TMP_SUFFIX in path.name:
-        raise ValueError(
-            f"{path}: an unfinished save (orbax temporary directory); it cannot be restored."
-        )
-    if not path.is_dir():
-        pending = (
-            sorted(p.name for p in path.parent.glob(path.name + TMP_SUFFIX + "*"))
-            if path.parent.is_dir()
-            else []
-        )
-        if pending:
-            raise ValueError(
-                f"{path}: the save was interrupted before it completed (found {pending}); "
-                "restore an earlier checkpoint."
-            )
-        raise ValueError(f"{path}: no such checkpoint.")
-    if (
-        not _is_committed(path)
-        or not (path / RECORD_ITEM).is_dir()
-        or not (path / ARRAYS_ITEM).is_dir()
-    ):
-        raise ValueError(
-            f"{path}: not a complete lwjax checkpoint (no committed orbax metadata, "
-            f"{RECORD_ITEM}/ or {ARRAYS_ITEM}/)."
-        )
-    return path
-
-
 def read_record(path) -> dict:
     """The JSON record of a complete checkpoint (format, step, routes, arrays, metadata).
 
     Raises:
       ValueError: an incomplete checkpoint, or a record of another format or version.
     """
-    path = _checked_path(path)
-    ocp = _ocp()
+    path = files.checked_path(path)
+    ocp = files.ocp()
     try:
         restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            path, ocp.args.Composite(**{RECORD_ITEM: ocp.args.JsonRestore()})
+            path, ocp.args.Composite(**{files.RECORD_ITEM: ocp.args.JsonRestore()})
         )
-        record = restored[RECORD_ITEM]
+        record = restored[files.RECORD_ITEM]
     except Exception as err:  # orbax raises many types for unreadable files
         raise ValueError(f"{path}: unreadable checkpoint record: {err}") from None
     if not isinstance(record, Mapping) or record.get("format") != FORMAT:
@@ -431,14 +300,14 @@ def _target(optimizer: LayerwiseOptimizer, params_like):
 def _read_arrays(
     path: epath.Path, target: Mapping[str, jax.ShapeDtypeStruct], record: Mapping
 ) -> dict:
-    ocp = _ocp()
-    _drop_late_loop_callbacks()
+    ocp = files.ocp()
+    files.drop_late_loop_callbacks()
     try:
         restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-            path, ocp.args.Composite(**{ARRAYS_ITEM: ocp.args.StandardRestore(dict(target))})
-        )[ARRAYS_ITEM]
+            path, ocp.args.Composite(**{files.ARRAYS_ITEM: ocp.args.StandardRestore(dict(target))})
+        )[files.ARRAYS_ITEM]
     except Exception as err:  # tensorstore / orbax errors on damaged files
-        raise ValueError(_unreadable(path, err)) from None
+        raise ValueError(files.unreadable(path, err)) from None
     got = fingerprints(restored)
     bad = [name for name in target if got[name] != record["arrays"][name]["fingerprint"]]
     if bad:
@@ -447,53 +316,6 @@ def _read_arrays(
             f"fingerprints recorded at save time: {bad}. Nothing was restored."
         )
     return restored
-
-
-def _unreadable(path: epath.Path, err: Exception) -> str:
-    """One line for a tensorstore read error: the damaged file first, without the JSON specs."""
-    text = str(err).splitlines()[0] if str(err) else type(err).__name__
-    text = re.sub(r" \[tensorstore_spec(\[\d+\])?='[^']*'\]", "", text)
-    files = re.findall(r'local file "([^"]+)"', text)
-    where = f" in {files[-1]}" if files else ""
-    return f"{path}: array data{where} is unreadable (truncated or corrupted?): {text}"
-
-
-def _is_late_loop_callback(unraisable) -> bool:
-    """A tensorstore read finishing after orbax closed the event loop that awaited it.
-
-    When one array of a damaged checkpoint fails, orbax raises and closes its
-    event loop at once; reads still in flight finish later on tensorstore's
-    threads, and each one's ``call_soon_threadsafe`` onto the closed loop
-    raises, unraisable: hundreds of identical tracebacks that say nothing the
-    raised error does not. Only a call entered from outside Python (first
-    traceback frame) on a closed loop matches.
-    """
-    if unraisable.exc_type is not RuntimeError or str(unraisable.exc_value) != (
-        "Event loop is closed"
-    ):
-        return False
-    frames = traceback.extract_tb(unraisable.exc_traceback)
-    return bool(frames) and frames[0].name == "call_soon_threadsafe"
-
-
-class _DropLateLoopCallbacks:
-    """A :data:`sys.unraisablehook` that drops :func:`_is_late_loop_callback` reports only."""
-
-    def __init__(self, previous):
-        self.previous = previous
-
-    def __call__(self, unraisable):
-        if not _is_late_loop_callback(unraisable):
-            self.previous(unraisable)
-
-
-def _drop_late_loop_callbacks() -> None:
-    """Install :class:`_DropLateLoopCallbacks` (once) before orbax reads arrays.
-
-    It stays: the late callbacks arrive after the read has raised.
-    """
-    if not isinstance(sys.unraisablehook, _DropLateLoopCallbacks):
-        sys.unraisablehook = _DropLateLoopCallbacks(sys.unraisablehook)
 
 
 def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any, LayerwiseState]:
@@ -520,7 +342,7 @@ def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any,
         dtypes, routing); the message lists every problem. Nothing is returned
         half-restored.
     """
-    path = _checked_path(path)
+    path = files.checked_path(path)
     record = read_record(path)
     tree = _target(optimizer, params_like)
     target, treedef = named_leaves(tree)
@@ -553,7 +375,7 @@ def load_arrays(path) -> tuple[dict[str, np.ndarray], dict]:
       ValueError: an incomplete, truncated or corrupted checkpoint, or 64-bit
         arrays while ``jax_enable_x64`` is off.
     """
-    path = _checked_path(path)
+    path = files.checked_path(path)
     record = read_record(path)
     wide = [
         n

@@ -51,7 +51,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from lwjax import checkpoint
+from lwjax import checkpoint, checkpoint_files
 from lwjax.checkpoint_record import FORMAT
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.step import LayerwiseState
@@ -88,14 +88,14 @@ def incomplete_reason(path: epath.Path, step: int) -> str | None:
         return f"a symbolic link to {os.readlink(path)!r} (the manager writes none)"
     if not path.is_dir():
         return "not a directory"
-    if not checkpoint._is_committed(path):
+    if not checkpoint_files.is_committed(path):
         return "no committed orbax metadata (_CHECKPOINT_METADATA)"
-    missing = [f"{item}/" for item in (checkpoint.RECORD_ITEM, checkpoint.ARRAYS_ITEM)]
+    missing = [f"{item}/" for item in (checkpoint_files.RECORD_ITEM, checkpoint_files.ARRAYS_ITEM)]
     missing = [item for item in missing if not (path / item).is_dir()]
     if missing:
         return f"no {' or '.join(missing)}"
     try:
-        record = json.loads((path / checkpoint.RECORD_ITEM / _RECORD_FILE).read_text())
+        record = json.loads((path / checkpoint_files.RECORD_ITEM / _RECORD_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         return f"an unreadable record ({type(err).__name__})"
     if not isinstance(record, Mapping) or record.get("format") != FORMAT:
@@ -191,7 +191,7 @@ class CheckpointManager:
         self._lock = None if read_only else _lock_writer(directory)
         self._manager = ocp.CheckpointManager(
             directory,
-            item_names=(checkpoint.ARRAYS_ITEM, checkpoint.RECORD_ITEM),
+            item_names=(checkpoint_files.ARRAYS_ITEM, checkpoint_files.RECORD_ITEM),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 step_name_format=self._name_format,
@@ -266,7 +266,7 @@ class CheckpointManager:
                     f"{aside.name}, where no retention or restore counts it.",
                     stacklevel=3,
                 )
-        checkpoint._sync("lwjax_manager_set_aside")
+        checkpoint_files.sync("lwjax_manager_set_aside")
         self._manager.reload()
 
     def save(

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
 import lwjax
-from lwjax import LayoutConfig, RoutingRules, checkpoint
+from lwjax import LayoutConfig, RoutingRules, checkpoint, checkpoint_files
 from lwjax.checkpoint_manager import LOCK_FILE
 from lwjax.logical import from_logical, to_logical
 from lwjax.muon import MuonConfig
@@ -324,19 +324,19 @@ class _Crash(BaseException):
 def _crash_at(monkeypatch, phase: str):
     """Make an overwrite die at one phase: writing the new checkpoint, either rename of the
     swap, or removing the old checkpoint afterwards."""
-    real_write, real_remove = checkpoint._write, checkpoint._remove
+    real_write, real_remove = checkpoint._write, checkpoint_files.remove
     rename = type(epath.Path("/"))
     real_rename = rename.rename
     renames = []
 
     def write(path, *args):
         if phase == "write":  # a part-written new checkpoint, then death
-            (path.parent / (path.name + checkpoint.TMP_SUFFIX)).mkdir(parents=True)
+            (path.parent / (path.name + checkpoint_files.TMP_SUFFIX)).mkdir(parents=True)
             raise _Crash
         return real_write(path, *args)
 
     def crash_rename(self, target):
-        if checkpoint.TMP_SUFFIX not in self.name:  # the swap's, not orbax's own commit
+        if checkpoint_files.TMP_SUFFIX not in self.name:  # the swap's, not orbax's own commit
             renames.append(target)
             if phase == f"rename{len(renames)}":
                 raise _Crash
@@ -349,7 +349,7 @@ def _crash_at(monkeypatch, phase: str):
 
     monkeypatch.setattr(checkpoint, "_write", write)
     monkeypatch.setattr(rename, "rename", crash_rename)
-    monkeypatch.setattr(checkpoint, "_remove", remove)
+    monkeypatch.setattr(checkpoint_files, "remove", remove)
 
 
 @pytest.mark.parametrize("phase", ["write", "rename1", "rename2", "cleanup"])
@@ -379,7 +379,7 @@ def test_overwrite_killed_at_any_phase_leaves_a_complete_checkpoint(tmp_path, mo
 def test_a_damaged_record_field_is_named(tmp_path):
     """A bit flip that renames a JSON key gives a ValueError naming the entry, not a KeyError."""
     path, params = _saved(tmp_path)
-    record_file = next((path / checkpoint.RECORD_ITEM).rglob("*"))
+    record_file = next((path / checkpoint_files.RECORD_ITEM).rglob("*"))
     while record_file.is_dir():
         record_file = next(record_file.iterdir())
     text = record_file.read_text()
@@ -424,7 +424,7 @@ def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path
     p1, _ = manager.restore(_small(dp=1)[1], step=2)
     _assert_trees_equal(p1, _scaled(params, 2))
     # A half-written step is no step; a new manager on the directory clears it away.
-    (tmp_path / "run" / f"4{checkpoint.TMP_SUFFIX}-123").mkdir()
+    (tmp_path / "run" / f"4{checkpoint_files.TMP_SUFFIX}-123").mkdir()
     assert manager.latest_step() == 3
     manager.close()  # one writer per directory
     with lwjax.CheckpointManager(tmp_path / "run", max_to_keep=2, async_save=True) as again:
@@ -481,7 +481,7 @@ def test_checkpoint_manager_killed_mid_save_keeps_the_previous_latest(tmp_path):
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     left = _entries(run)
-    assert left[0] == "1" and len(left) == 2 and checkpoint.TMP_SUFFIX in left[1], left
+    assert left[0] == "1" and len(left) == 2 and checkpoint_files.TMP_SUFFIX in left[1], left
     params, opt = _small(dp=2)
     manager = lwjax.CheckpointManager(run, max_to_keep=1)
     assert manager.all_steps() == [1]  # step 2 never committed; step 1 was not deleted for it
