@@ -16,8 +16,9 @@ On disk (orbax-checkpoint, one composite checkpoint)::
                      leaf routing, elementwise transform, and each array's shape, dtype
                      and fingerprint
 
-Saves are atomic (the directory mechanics live in :mod:`lwjax.checkpoint_files`): orbax writes ``<path>.orbax-checkpoint-tmp`` and renames it
-when complete, so an interrupted save leaves nothing at ``<path>``;
+Saves are atomic (the directory mechanics live in :mod:`lwjax.checkpoint_files`):
+orbax writes ``<path>.orbax-checkpoint-tmp`` and renames it when complete, so an
+interrupted save leaves nothing at ``<path>``;
 :func:`restore` refuses a temporary or uncommitted directory. An overwrite
 writes the new checkpoint beside the old one (``<path>.lwjax-new``) and swaps
 it in only once it has committed (the old one goes through
