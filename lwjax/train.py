@@ -115,13 +115,11 @@ def make_train_step(
     schedule the step's communication (:class:`TrainStepOptions`).
 
     With ``OptimizerConfig(pipeline_muon=True)`` and clipping, ``train_step``
-    chooses on the host whether each step speculates
-    (:mod:`lwjax.speculation`): from the flag of the step before last, so
-    that it never waits for the step in flight, and each choice is a
-    compiled step of its own, without a conditional. The second one compiles
-    the first time it is chosen. A ``train_step`` called inside your own
-    ``jax.jit`` (any argument traced) runs the one compiled step with its
-    conditional instead.
+    chooses on the host whether each step speculates, from the flag of the
+    step before last, each choice a compiled step without a conditional; the
+    second compiles the first time it is chosen. Called inside your own
+    ``jax.jit``, it runs the one step with its conditional instead
+    (:func:`lwjax.speculation.with_host_speculation`).
 
     With an expert axis, ``loss_fn`` sees the device's local experts (expert
     leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
