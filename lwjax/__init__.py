@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from lwjax.train import jit_shard_map as jit_shard_map
     from lwjax.train import make_train_step as make_train_step
     from lwjax.train import value_and_grad as value_and_grad
+    from lwjax.train_options import TrainStepOptions as TrainStepOptions
 
 try:
     __version__ = _version("lwjax")
@@ -56,6 +57,7 @@ _LAZY = {
     "jit_shard_map": "lwjax.train",
     "make_train_step": "lwjax.train",
     "value_and_grad": "lwjax.train",
+    "TrainStepOptions": "lwjax.train_options",
 }
 
 __all__ = (

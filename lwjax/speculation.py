@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import jax
 
-from lwjax.step import LayerwiseState
+from lwjax.plan import StepPlan
+from lwjax.step import LayerwiseState, speculates
 
 # The first call, counting from 0, at which a run that starts from a fresh or restored state
 # (its flag off) may speculate: after the flag of the step before last turned on.
@@ -116,4 +117,36 @@ def chosen_on_host(compiled: Callable[[bool], Callable], state_index: int) -> Ca
         return tuple(out)
 
     step.compiled = steps
+    return step
+
+
+def with_host_speculation(
+    compiled: Callable[[bool | None], Callable], plan: StepPlan, state_index: int
+) -> Callable:
+    """The step to call for ``plan``, around the steps ``compiled`` builds.
+
+    ``compiled(None)`` is the step with the choice inside it (a conditional
+    where the plan speculates). Where it speculates (:func:`speculates`), a
+    call with concrete arguments runs :func:`chosen_on_host` instead, and a
+    call with traced ones (inside the caller's own ``jax.jit``) runs
+    ``compiled(None)``: a traced flag cannot be read on the host.
+
+    Args:
+      compiled: ``speculate -> step``, as for :func:`chosen_on_host`, and
+        ``compiled(None)`` a step that returns no flag.
+      plan: The optimizer's plan.
+      state_index: Where the state is among the arguments and the results.
+
+    Returns:
+      The step, with ``compiled(None)``'s arguments and results.
+    """
+    in_one = compiled(None)
+    if not speculates(plan):
+        return in_one
+    on_host = chosen_on_host(compiled, state_index)
+
+    def step(*args):
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+        return (in_one if traced else on_host)(*args)
+
     return step

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import functools
+import warnings
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax.loss_adapter import LossAdapter
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.plan import as_axis_tuple
-from lwjax.speculation import chosen_on_host
-from lwjax.step import LayerwiseState, speculates
+from lwjax.speculation import with_host_speculation
+from lwjax.step import LayerwiseState
+from lwjax.train_options import TrainStepOptions
 
 
 def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=()) -> Callable:
@@ -91,12 +92,13 @@ def make_train_step(
     loss_fn: Callable,
     optimizer: LayerwiseOptimizer,
     *,
+    options: TrainStepOptions | None = None,
     donate: bool = True,
     has_aux: bool = False,
     mutable: bool = False,
     rng: bool = False,
     accumulate: int = 1,
-    overlap_param_gather: bool = False,
+    overlap_param_gather: bool | None = None,
 ) -> Callable:
     """Build ``train_step(params, state, [model_state,] batch[, key])``, jitted.
 
@@ -104,49 +106,20 @@ def make_train_step(
     slice of the batch (leading axis split over ``optimizer.data_axes``:
     ``dp``, or ``(dp, ep)`` with expert parallelism); the optimizer then
     reduce-scatters the gradients, updates the device's own state and gathers
-    the new parameters (see :mod:`lwjax.optimizer`).
-
-    ``loss_fn``'s arguments and results follow the flags:
+    the new parameters (see :mod:`lwjax.optimizer`). ``loss_fn``'s arguments
+    and results, and the step's after ``(params, state)``, follow ``has_aux``,
+    ``mutable``, ``rng`` and ``accumulate`` (:mod:`lwjax.loss_adapter`):
     ``loss_fn(params, [model_state,] batch[, key])`` returns ``loss``, or
     ``(loss, aux)`` with ``has_aux``, ``(loss, model_state)`` with
-    ``mutable``, ``(loss, (model_state, aux))`` with both.
-
-    * ``mutable``: model state that is not trained (linen ``batch_stats``,
-      the rest of an nnx model: ``nnx.split(model, nnx.Param, ...)``) goes in
-      replicated and comes out as ``loss_fn`` returned it, its floating leaves
-      averaged over the data-parallel devices (running batch statistics: the
-      cross-device mean flax's examples take with ``sync_batch_stats``, here
-      every step; each device still normalises by its own batch unless the
-      model's ``BatchNorm`` has ``axis_name=optimizer.axis``). Other leaves
-      (RNG counters, keys) must agree across devices.
-    * ``rng``: ``train_step`` takes a key, and ``loss_fn`` gets it folded with
-      the step count (``state.count``) and the device's index, so dropout masks
-      differ across devices and steps (in nnx, ``nnx.reseed(model, dropout=key)``).
-    * ``accumulate``: each device splits its batch slice into this many
-      micro-batches on the leading axis and sums their gradients (in fp32)
-      before one optimizer step; the loss, ``aux`` and gradients are their
-      means, and the model state is threaded through them in order.
-    * ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``): the
-      step ends with the new state and gathers no parameters; the next step
-      all-gathers each bucket from the masters at its start
-      (``optimizer.local_params``), and XLA's scheduler may run each gather
-      under the forward pass of the layers before the first one that reads
-      it. The step is then ``train_step(state, [model_state,] batch[, key])
-      -> (state, [model_state,] metrics)``, and
-      ``optimizer.gather_params(state)`` returns the parameters (evaluation,
-      checkpoints). It computes what the default step computes (the
-      parameters are the masters cast to the parameter dtype either way);
-      only the first step differs, where the masters cannot hold the initial
-      parameters exactly (``master_dtype`` narrower than them).
+    ``mutable``, ``(loss, (model_state, aux))`` with both. ``options``
+    schedule the step's communication (:class:`TrainStepOptions`).
 
     With ``OptimizerConfig(pipeline_muon=True)`` and clipping, ``train_step``
-    chooses on the host whether each step speculates
-    (:mod:`lwjax.speculation`): from the flag of the step before last, so
-    that it never waits for the step in flight, and each choice is a
-    compiled step of its own, without a conditional. The second one compiles
-    the first time it is chosen. A ``train_step`` called inside your own
-    ``jax.jit`` (any argument traced) runs the one compiled step with its
-    conditional instead.
+    chooses on the host whether each step speculates, from the flag of the
+    step before last, each choice a compiled step without a conditional; the
+    second compiles the first time it is chosen. Called inside your own
+    ``jax.jit``, it runs the one step with its conditional instead
+    (:func:`lwjax.speculation.with_host_speculation`).
 
     With an expert axis, ``loss_fn`` sees the device's local experts (expert
     leaves split over ``ep`` on their expert axis, ``optimizer.param_specs``)
@@ -156,20 +129,22 @@ def make_train_step(
     Args:
       loss_fn: The per-device mean loss, as above.
       optimizer: A :class:`~lwjax.optimizer.LayerwiseOptimizer`.
+      options: The step's :class:`TrainStepOptions`; ``None`` for the defaults.
       donate: Donate ``params``, ``state`` (and ``model_state``) buffers to the step.
       has_aux: ``loss_fn`` also returns auxiliary values (averaged over devices
         and micro-batches into ``metrics["aux"]``).
-      mutable: ``loss_fn`` takes and returns model state.
-      rng: ``train_step`` takes a PRNG key for ``loss_fn``.
+      mutable: ``loss_fn`` takes and returns model state (its floating leaves
+        averaged over devices).
+      rng: ``train_step`` takes a PRNG key for ``loss_fn``, folded with the
+        step count and the device's index.
       accumulate: Micro-batches per device and step.
-      overlap_param_gather: Gather the parameters at the start of the next
-        step, under its forward pass; the step takes and returns no parameters.
+      overlap_param_gather: Deprecated: ``options=TrainStepOptions(overlap_param_gather=...)``.
 
     Returns:
       ``train_step(params, state, [model_state,] batch[, key]) -> (params,
-      state, [model_state,] metrics)`` (without ``params`` in and out with
-      ``overlap_param_gather``). ``metrics`` holds the mean ``loss``,
-      ``step`` (applied steps after this one) and the optimizer's metrics
+      state, [model_state,] metrics)``; ``params`` is ``None`` in and out with
+      ``overlap_param_gather``. ``metrics`` holds the mean ``loss``, ``step``
+      (applied steps after this one) and the optimizer's metrics
       (``grad_norm``, ``clip_coef``, ``num_zeros``, ``update_rms``,
       ``skipped``, and ``grad_norm/<group>``, ``clip_coef/<group>`` per
       separate norm group), and ``aux`` with ``has_aux``.
@@ -197,10 +172,8 @@ def make_train_step(
       >>> int(metrics["step"]), bool(metrics["skipped"])
       (1, False)
     """
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(
-            f"make_train_step: accumulate must be a positive integer; got {accumulate!r}."
-        )
+    options = _resolved_options(options, overlap_param_gather)
+    adapter = LossAdapter(loss_fn, has_aux=has_aux, mutable=mutable, rng=rng, accumulate=accumulate)
     if optimizer.tensor_axis is not None:
         raise ValueError(
             f"make_train_step: the optimizer has tensor_axis={optimizer.tensor_axis!r}; a "
@@ -208,39 +181,50 @@ def make_train_step(
             "lwjax.value_and_grad(loss_fn, optimizer) and optimizer.update under jax.jit "
             "(docs/scaling.md)."
         )
-    mesh, axes = optimizer.mesh, optimizer.data_axes
-    num_data = optimizer.num_data
-    param_specs = optimizer.param_specs if optimizer.param_specs is not None else P()
-    dp = mesh.shape[optimizer.axis]
-    size_text = (
-        f"dp={dp}"
-        if optimizer.expert_axis is None
-        else f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
+    # With the gather overlapped the parameters live in the state's masters: None between steps.
+    param_specs = optimizer.param_specs
+    if param_specs is None or options.overlap_param_gather:
+        param_specs = P()
+    compiled = _compiled_steps(adapter, optimizer, options, param_specs, donate=donate)
+    step = with_host_speculation(compiled, optimizer.plan, state_index=1)
+    return _host_side(step, adapter, optimizer, options, param_specs)
+
+
+def _resolved_options(options: TrainStepOptions | None, overlap_param_gather) -> TrainStepOptions:
+    """``options``, or the defaults, or (deprecated) the options from the old keyword."""
+    if overlap_param_gather is None:
+        return TrainStepOptions() if options is None else options
+    if options is not None:
+        raise TypeError(
+            "make_train_step: pass options=TrainStepOptions(overlap_param_gather=...) alone; got "
+            f"both options and overlap_param_gather={overlap_param_gather!r}."
+        )
+    warnings.warn(
+        "make_train_step(..., overlap_param_gather=...) is deprecated and will be removed in the "
+        "next release; pass options=lwjax.TrainStepOptions(overlap_param_gather=...).",
+        DeprecationWarning,
+        stacklevel=3,
     )
-    if accumulate > 1:
-        size_text += f" times accumulate={accumulate}"
-    gradients = functools.partial(
-        _local_gradients, loss_fn, has_aux=has_aux, mutable=mutable, accumulate=accumulate
-    )
+    return TrainStepOptions(overlap_param_gather=bool(overlap_param_gather))
+
+
+def _compiled_steps(adapter: LossAdapter, optimizer, options, param_specs, *, donate):
+    """``speculate -> step``: the jitted per-device step ``(params, state, model_state, batch,
+    key) -> (params, state, model_state, metrics)``, and the new speculation flag last unless
+    ``speculate`` is ``None`` (:func:`lwjax.speculation.with_host_speculation`)."""
+    axes, overlap = optimizer.data_axes, options.overlap_param_gather
 
     def local_step(params, state, model_state, batch, key, speculate):
-        if key is not None:
-            key = jax.random.fold_in(jax.random.fold_in(key, state.count), lax.axis_index(axes))
-        if overlap_param_gather:
+        key = adapter.device_key(key, state.count, axes)
+        if overlap:  # each bucket gathered from the masters, under the forward pass
             params = optimizer.local_params(state)
-        loss, grads, model_state, aux = gradients(params, model_state, batch, key)
+        loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
         chosen = {} if speculate is None else {"speculate": speculate}
         params, state, metrics = optimizer.local_update(
-            grads, state, params, gather=not overlap_param_gather, **chosen
+            grads, state, params, gather=not overlap, **chosen
         )
-        metrics = {"loss": lax.pmean(loss, axes), "step": state.count, **metrics}
-        if has_aux:
-            metrics["aux"] = jax.tree.map(lambda x: lax.pmean(x, axes), aux)
-        if mutable:
-            model_state = jax.tree.map(
-                lambda x: lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                model_state,
-            )
+        means, model_state = adapter.device_means(loss, aux, model_state, axes)
+        metrics = {**means, "step": state.count, **metrics}
         # A step chosen on the host also returns its new speculation flag apart from the
         # (donated) state, for the choice two steps on (lwjax.speculation).
         flag = () if speculate is None else (state.speculate,)
@@ -248,123 +232,72 @@ def make_train_step(
 
     def compiled(speculate):
         flag = () if speculate is None else (P(),)
-        if overlap_param_gather:  # the state alone in and out: the parameters live in its masters
-            return jit_shard_map(
-                lambda *args: local_step(None, *args, speculate)[1:],
-                mesh,
-                (optimizer.state_specs, P(), P(axes), P()),
-                (optimizer.state_specs, P(), P(), *flag),
-                donate_argnums=(0, 1) if donate else (),
-            )
         return jit_shard_map(
             lambda *args: local_step(*args, speculate),
-            mesh,
+            optimizer.mesh,
             (param_specs, optimizer.state_specs, P(), P(axes), P()),
             (param_specs, optimizer.state_specs, P(), P(), *flag),
             donate_argnums=(0, 1, 2) if donate else (),
         )
 
-    step_in_one = compiled(None)
-    # A pipelined, clipping optimizer speculates or not as the host chooses, each choice a step
-    # of its own without the conditional; step_in_one, with it, serves a traced call.
-    host_step = (
-        chosen_on_host(compiled, 0 if overlap_param_gather else 1)
-        if speculates(optimizer.plan)
-        else None
+    return compiled
+
+
+def _host_side(step, adapter: LossAdapter, optimizer, options, param_specs) -> Callable:
+    """``train_step``: the arguments checked and placed on the mesh around ``step``, and the
+    deprecated form of an overlapped gather's step, without ``params`` in and out."""
+    mesh, overlap = optimizer.mesh, options.overlap_param_gather
+    names = ("params", "state", *adapter.argument_names)
+    signature = f"train_step takes ({', '.join(names)})"
+    if overlap:
+        signature += f" with params None, or takes ({', '.join(names[1:])}) (deprecated),"
+    signature += (
+        f" with mutable={adapter.mutable}, rng={adapter.rng}, overlap_param_gather={overlap}"
     )
+    dp, num_data = mesh.shape[optimizer.axis], optimizer.num_data
+    data_text = f"dp={dp}"
+    if optimizer.expert_axis is not None:
+        data_text = f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
     param_shardings = named_shardings(mesh, param_specs)
     replicated = NamedSharding(mesh, P())
-    leading = ("state",) if overlap_param_gather else ("params", "state")
-    names = [*leading, *["model_state"] * mutable, "batch", *["key"] * rng]
-    signature = (
-        f"train_step takes ({', '.join(names)}) with mutable={mutable}, rng={rng}, "
-        f"overlap_param_gather={overlap_param_gather}"
-    )
 
     def train_step(*args):
+        state_only = overlap and len(args) == len(names) - 1
+        if state_only:
+            warnings.warn(_STATE_ONLY_DEPRECATED, DeprecationWarning, stacklevel=2)
+            args = (None, *args)
         if len(args) != len(names):
             raise TypeError(f"{signature}; got {len(args)} arguments.")
-        if overlap_param_gather:
-            args = (None, *args)
-        params, state, *args = args
+        params, state, *rest = args
+        if overlap and params is not None:
+            raise TypeError(
+                f"{signature}; the parameters live in the state's masters "
+                f"(optimizer.gather_params(state)), got params of type {type(params).__name__}."
+            )
         if not isinstance(state, LayerwiseState):
             raise TypeError(
                 f"{signature}; its argument 'state' must be the optimizer's LayerwiseState, "
                 f"got {type(state).__name__}."
             )
-        model_state = args[0] if mutable else None
-        batch = args[int(mutable)]
-        key = args[-1] if rng else None
-        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if not leaf.shape or not leaf.shape[0] or leaf.shape[0] % (num_data * accumulate):
-                raise ValueError(
-                    f"batch{jax.tree_util.keystr(path)}: leading axis must divide by {size_text} "
-                    f"and not be empty; "
-                    f"got shape {tuple(leaf.shape)}."
-                )
-        step = step_in_one
-        if host_step is not None:  # (only then: flattening every argument costs each call)
-            inputs = jax.tree.leaves((params, state, model_state, batch, key))
-            if not any(isinstance(x, jax.core.Tracer) for x in inputs):
-                step = host_step
-        rest = (state, jax.device_put(model_state, replicated), batch, key)
-        if overlap_param_gather:
-            state, model_state, metrics = step(*rest)
-        else:
-            # Parameters handed in on one device are placed on the mesh first (a no-op for
-            # the step's own outputs), so the step compiles once, not again for its own outputs.
-            params, state, model_state, metrics = step(
-                jax.device_put(params, param_shardings), *rest
-            )
-        kept = (state,) if overlap_param_gather else (params, state)
-        return (*kept, model_state, metrics) if mutable else (*kept, metrics)
+        model_state, batch, key = adapter.split_arguments(rest)
+        adapter.check_batch(batch, num_data, data_text)
+        # Parameters handed in on one device are placed on the mesh first (a no-op for the
+        # step's own outputs), so the step compiles once, not again for its own outputs.
+        out = step(
+            jax.device_put(params, param_shardings),
+            state,
+            jax.device_put(model_state, replicated),
+            batch,
+            key,
+        )
+        out = adapter.results(*out)
+        return out[1:] if state_only else out
 
     return train_step
 
 
-def _local_gradients(loss_fn, params, model_state, batch, key, *, has_aux, mutable, accumulate):
-    """One device's mean loss, gradients, model state and aux over its micro-batches."""
-
-    def objective(params, model_state, micro, key):
-        # Rebuilt here, so that nnx variables in it belong to this trace and may be mutated.
-        model_state = jax.tree.map(lambda x: x, model_state)
-        args = (params, *((model_state,) if mutable else ()), micro)
-        out = loss_fn(*args, *((key,) if key is not None else ()))
-        if not (has_aux or mutable):
-            return out, (model_state, None)
-        loss, extra = out
-        if mutable and has_aux:
-            return loss, extra
-        return loss, (extra, None) if mutable else (model_state, extra)
-
-    def one(model_state, micro, key):
-        (loss, (model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params, model_state, micro, key
-        )
-        return loss, grads, model_state, aux
-
-    if accumulate == 1:
-        return one(model_state, batch, key)
-    micro_batches = jax.tree.map(
-        lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:]), batch
-    )
-
-    def body(carry, xs):
-        loss_sum, grad_sum, model_state = carry
-        index, micro = xs
-        micro_key = None if key is None else jax.random.fold_in(key, index)
-        loss, grads, model_state, aux = one(model_state, micro, micro_key)
-        grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-        return (loss_sum + loss, grad_sum, model_state), aux
-
-    zeros = jax.tree.map(
-        lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params
-    )
-    (loss, grads, model_state), aux = lax.scan(
-        body,
-        (jnp.zeros((), jnp.float32), zeros, model_state),
-        (jnp.arange(accumulate), micro_batches),
-    )
-    grads = jax.tree.map(lambda g, p: (g / accumulate).astype(p.dtype), grads, params)
-    aux = jax.tree.map(lambda x: jnp.mean(x, axis=0), aux)
-    return loss / accumulate, grads, model_state, aux
+_STATE_ONLY_DEPRECATED = (
+    "train_step(state, [model_state,] batch[, key]) of make_train_step with "
+    "overlap_param_gather=True is deprecated and will be removed in the next release; call "
+    "train_step(None, state, ...), which returns (None, state, ...)."
+)

@@ -137,20 +137,21 @@ def test_a_state_only_step_saves_gathered_params_and_resumes_bitwise_at_another_
     dp 2 does, and its parameters are the saved ones (bf16 parameters from fp32 masters)."""
     params, batch = _setup(jnp.bfloat16)
     a, b = _optimizer(params, 4, "ns_cost"), _optimizer(params, 2, "ns_cost")
-    step_a = make_train_step(_loss, a, donate=False, overlap_param_gather=True)
+    state_only = lwjax.TrainStepOptions(overlap_param_gather=True)
+    step_a = make_train_step(_loss, a, donate=False, options=state_only)
     state = a.init(params)
     for _ in range(2):
-        state, _ = step_a(state, batch)
+        _, state, _ = step_a(None, state, batch)
     saved = a.gather_params(state)
     checkpoint.save(tmp_path / "ckpt", saved, state, a)
     restored_params, restored = checkpoint.restore(tmp_path / "ckpt", b)
     _assert_trees_equal(b.gather_params(restored), saved)
     _assert_trees_equal(restored_params, saved)
-    step_b = make_train_step(_loss, b, donate=False, overlap_param_gather=True)
+    step_b = make_train_step(_loss, b, donate=False, options=state_only)
     resumed, direct = restored, from_logical(b, to_logical(a, state))
     for _ in range(2):
-        resumed, _ = step_b(resumed, batch)
-        direct, _ = step_b(direct, batch)
+        _, resumed, _ = step_b(None, resumed, batch)
+        _, direct, _ = step_b(None, direct, batch)
     _assert_trees_equal(b.gather_params(resumed), b.gather_params(direct))
     _assert_trees_equal(to_logical(b, resumed), to_logical(b, direct))
     assert not np.array_equal(

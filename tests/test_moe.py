@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from reference import reference_train
 
-from lwjax import LayoutConfig, RoutingRules
+from lwjax import LayoutConfig, RoutingRules, TrainStepOptions
 from lwjax.logical import from_logical, to_logical
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon
@@ -132,14 +132,13 @@ def trained(
         functools.partial(moe_loss, ep_axis="ep"),
         opt,
         donate=False,
-        overlap_param_gather=overlap_param_gather,
+        options=TrainStepOptions(overlap_param_gather=overlap_param_gather),
     )
     state, metrics = opt.init(params), []
+    if overlap_param_gather:  # the parameters live in the state's masters between steps
+        params = None
     for batch in batches(seed=seed):
-        if overlap_param_gather:  # the parameters live in the state's masters between steps
-            state, m = step(state, batch)
-        else:
-            params, state, m = step(params, state, batch)
+        params, state, m = step(params, state, batch)
         metrics.append(jax.device_get(m))
     if overlap_param_gather:
         params = opt.gather_params(state)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from reference import reference_run
 
-from lwjax import LayoutConfig, RoutingRules, shards
+from lwjax import LayoutConfig, RoutingRules, TrainStepOptions, shards
 from lwjax.layout import POLICIES
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import ALONE_BUCKET_SIZE, OptimizerConfig, layerwise_muon
@@ -614,7 +614,7 @@ GUESSES = {
 HOST_FORMS = {
     "host": dict(donate=False),
     "host_donated": dict(donate=True),
-    "host_state_only": dict(donate=True, overlap_param_gather=True),
+    "host_state_only": dict(donate=True, options=TrainStepOptions(overlap_param_gather=True)),
     "conditional": dict(donate=False),
 }
 
@@ -624,15 +624,12 @@ def _run_train_steps(opt, params, grads, *, traced=False, **options):
     train_step = make_train_step(_linear_loss, opt, **options)
     if traced:
         train_step = jax.jit(train_step)
-    state_only = options.get("overlap_param_gather", False)
+    state_only = "options" in options  # the parameters live in the state's masters
     state, history = opt.init(params), []
-    params = jax.tree.map(jnp.copy, params)
+    params = None if state_only else jax.tree.map(jnp.copy, params)
     for device_grads in grads:
         batch = jax.tree.map(lambda *g: np.stack(g), *device_grads)
-        if state_only:
-            state, metrics = train_step(state, batch)
-        else:
-            params, state, metrics = train_step(params, state, batch)
+        params, state, metrics = train_step(params, state, batch)
         history.append(metrics)
     return history, opt.gather_params(state) if state_only else params, state
 

@@ -252,3 +252,29 @@ def test_a_negative_scheduled_learning_rate_skips_the_step(rate):
     assert int(state1.count) == int(state2.count) == 1
     for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p1, state1))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_overlapped_gather_keeps_the_signature_with_params_none_and_the_old_forms_warn():
+    """``TrainStepOptions(overlap_param_gather=True)``: the step takes and returns ``None`` for
+    the parameters, in the default step's signature. The old keyword and the old state-only
+    call still work, each with a DeprecationWarning, and compute the same step."""
+    params, batch = _linear_problem()
+    opt = lwjax.layerwise_muon(params, _mesh())
+    options = lwjax.TrainStepOptions(overlap_param_gather=True)
+    step = lwjax.make_train_step(_mse, opt, options=options, donate=False)
+    with pytest.warns(DeprecationWarning, match=r"overlap_param_gather=\.\.\.\) is deprecated"):
+        old = lwjax.make_train_step(_mse, opt, overlap_param_gather=True, donate=False)
+    state = opt.init(params)
+    none, new_state, metrics = step(None, state, batch)
+    with pytest.warns(DeprecationWarning, match=r"train_step\(state, .* is deprecated"):
+        old_state, old_metrics = old(state, batch)
+    assert none is None and int(metrics["step"]) == 1
+    leaves = jax.tree.leaves((new_state, metrics)), jax.tree.leaves((old_state, old_metrics))
+    for a, b in zip(*leaves, strict=True):
+        assert _bytes(a) == _bytes(b)
+    with pytest.raises(TypeError, match=r"params None, .* got params of type dict"):
+        step(params, state, batch)
+    with pytest.raises(TypeError, match="pass options=TrainStepOptions"):
+        lwjax.make_train_step(_mse, opt, options=options, overlap_param_gather=True)
+    with pytest.raises(TypeError, match="overlap_param_gather must be a bool; got 1"):
+        lwjax.TrainStepOptions(overlap_param_gather=1)
