@@ -144,6 +144,16 @@ def head_or_embedding_reason(name: str) -> str | None:
     return None
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """Whether a parameter name looks like an embedding table or output projection.
+
+    Name components are split at ``/`` (pytree paths) and ``.`` (torch/Megatron
+    names), so ``output_layer.weight`` and ``embed/embedding`` both match
+    (:func:`head_or_embedding_reason` lists the names).
+    """
+    return head_or_embedding_reason(name) is not None
+
+
 def is_batch_axis_name(axis_name) -> bool:
     """Whether a flax logical axis name indexes separate parameters (layers, experts)."""
     return isinstance(axis_name, str) and axis_name.lower() in BATCH_AXIS_NAMES
