@@ -144,6 +144,16 @@ def head_or_embedding_reason(name: str) -> str | None:
     return None
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """Whether a parameter name looks like an embedding table or output projection.
+
+    Name components are split at ``/`` (pytree paths) and ``.`` (torch/Megatron
+    names), so ``output_layer.weight`` and ``embed/embedding`` both match
+    (:func:`head_or_embedding_reason` lists the names).
+    """
+    return head_or_embedding_reason(name) is not None
+
+
 def is_batch_axis_name(axis_name) -> bool:
     """Whether a flax logical axis name indexes separate parameters (layers, experts)."""
     return isinstance(axis_name, str) and axis_name.lower() in BATCH_AXIS_NAMES
@@ -270,23 +280,28 @@ def detect_stacks(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, in
         if not is_bias_or_scale(name) or len(shape) < 2:
             continue
         k = len(shape) - 1
-        lead = shape[:k]
-        parts = name.split("/")
-        root = None
-        # The tree's root counts as a module only for a bias at the root ({"w": ..., "b": ...}).
-        for depth in range(len(parts) - 1, 0 if len(parts) > 1 else -1, -1):
-            prefix = "/".join(parts[:depth]) + "/" if depth else ""
-            members = [(n, s) for n, s in leaves if n.startswith(prefix)]
-            if all(len(s) > k and s[:k] == lead for _, s in members):
-                root = prefix
-            else:
-                break
+        root = _stack_root(name, shape[:k], leaves)
         if root is None:
             continue
         for n, _ in leaves:
             if n.startswith(root):  # a deeper stack (experts in scanned layers) keeps its k
                 found[n] = max(found.get(n, 0), k)
     return found
+
+
+def _stack_root(name: str, lead, leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
+    """The path prefix of the largest module around ``name`` whose every leaf's shape starts
+    with ``lead``, or ``None`` when even the innermost does not."""
+    parts = name.split("/")
+    k, root = len(lead), None
+    # The tree's root counts as a module only for a bias at the root ({"w": ..., "b": ...}).
+    for depth in range(len(parts) - 1, 0 if len(parts) > 1 else -1, -1):
+        prefix = "/".join(parts[:depth]) + "/" if depth else ""
+        members = [s for n, s in leaves if n.startswith(prefix)]
+        if not all(len(s) > k and s[:k] == lead for s in members):
+            break
+        root = prefix
+    return root
 
 
 def view_shape(shape: Sequence[int], batch: Axes, reduction: Axes, output: Axes, rows_first: str):

@@ -146,8 +146,11 @@ def test_is_embedding_or_output_leaves_other_names(name):
 def test_layout_layer_imports_no_jax():
     code = (
         "import sys; sys.modules['jax'] = None\n"
-        "import lwjax.layout, lwjax.policies, lwjax.routing, lwjax.plan, lwjax.schedule, "
+        "import lwjax.layout, lwjax.policies, lwjax.plan, lwjax.schedule, "
         "lwjax.cost, lwjax.elementwise_layout, lwjax.megatron.gpt\n"
+        "import lwjax.parallel.geometry, lwjax.routing_rules, lwjax.dims, lwjax.leaf_route\n"
+        "import lwjax.matrix_view, lwjax.route_decisions, lwjax.routing_table, lwjax.param_order\n"
+        "import lwjax.routing\n"
         "assert not any(m == 'jax' or m.startswith('jax.') "
         "for m in sys.modules if sys.modules[m] is not None)\n"
     )
