@@ -63,7 +63,7 @@ from lwjax.checkpoint_record import fingerprints as fingerprints
 from lwjax.logical import LogicalState, from_logical, logical_sharding, to_logical
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.routing import LeafRoute, path_name
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 
 ARRAYS_ITEM = "arrays"
 RECORD_ITEM = "lwjax"

@@ -33,7 +33,7 @@ from etils import epath
 
 from lwjax import checkpoint
 from lwjax.optimizer import LayerwiseOptimizer
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 
 
 def _check_count(name: str, value, minimum: int) -> None:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.buffers import pack, unpack
 from lwjax.optimizer import LayerwiseOptimizer, state_shardings
-from lwjax.step import LayerwiseState, initial_speculation
+from lwjax.state import LayerwiseState, initial_speculation
 
 
 class LogicalState(NamedTuple):

@@ -1,0 +1,6 @@
+"""Every decision about devices: mesh axes, where parameters and state live, split geometry.
+
+The step, the plan and the Muon math receive what this wing computed and read
+no mesh themselves. This file imports nothing, so the wing's pure-Python
+modules (:mod:`lwjax.parallel.axes`) stay free of jax when imported.
+"""
