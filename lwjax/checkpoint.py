@@ -302,7 +302,7 @@ def save(
     Args:
       path: Checkpoint directory to create (atomically).
       params: The parameter pytree.
-      state: The optimizer's :class:`~lwjax.step.LayerwiseState`.
+      state: The optimizer's :class:`~lwjax.state.LayerwiseState`.
       optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` that owns ``state``.
       step: Training step to record; defaults to ``state.count``.
       metadata: JSON-serialisable extra record.

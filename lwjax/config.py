@@ -45,7 +45,7 @@ def is_floating_dtype(dtype) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """Options of :func:`layerwise_muon` that are not learning rates, transforms, layout or routing.
+    """Options of :func:`lwjax.layerwise_muon` beside learning rates, transforms, layout, routing.
 
     Attributes:
       weight_decay: Decoupled weight decay for Muon matrices and for

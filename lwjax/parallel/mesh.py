@@ -71,7 +71,7 @@ def mesh_axes(
 
 def group_mesh(mesh: Mesh, shards: int, *, axis: str = "dp", replica_axis: str = "replica") -> Mesh:
     """``mesh`` with its ``axis`` split into ``(replica_axis, axis)``: sharding groups of
-    ``shards`` consecutive devices (for :func:`layerwise_muon`'s ``replica_axis``).
+    ``shards`` consecutive devices (for :func:`lwjax.layerwise_muon`'s ``replica_axis``).
 
     Consecutive devices along ``axis`` share a group, so on a mesh laid out host by
     host the reduce-scatter and all-gather stay within a host or NVLink domain and
@@ -111,7 +111,7 @@ def auto_groups(
     max_padding: float = MAX_PADDING,
 ) -> tuple[Mesh, LayoutConfig]:
     """The sharding groups :func:`lwjax.groups.choose_groups` picks for ``params`` over ``axis``:
-    ``(group_mesh(mesh, G), layout with the chosen policy)``, for :func:`layerwise_muon`.
+    ``(group_mesh(mesh, G), layout with the chosen policy)``, for :func:`lwjax.layerwise_muon`.
 
     Among the group sizes ``G`` dividing the axis and the layout policies, the
     layouts padded by at most ``max_padding`` (a fraction; Megatron-scale dp
