@@ -25,13 +25,13 @@ if TYPE_CHECKING:
     from lwjax.checkpoint import restore as restore
     from lwjax.checkpoint import save as save
     from lwjax.checkpoint_manager import CheckpointManager as CheckpointManager
+    from lwjax.config import OptimizerConfig as OptimizerConfig
     from lwjax.logical import from_logical as from_logical
     from lwjax.logical import to_logical as to_logical
     from lwjax.muon import MuonConfig as MuonConfig
     from lwjax.optimizer import LayerwiseOptimizer as LayerwiseOptimizer
-    from lwjax.optimizer import OptimizerConfig as OptimizerConfig
     from lwjax.optimizer import layerwise_muon as layerwise_muon
-    from lwjax.step import LayerwiseState as LayerwiseState
+    from lwjax.state import LayerwiseState as LayerwiseState
     from lwjax.train import jit_shard_map as jit_shard_map
     from lwjax.train import make_train_step as make_train_step
     from lwjax.train import value_and_grad as value_and_grad
@@ -51,9 +51,9 @@ _LAZY = {
     "to_logical": "lwjax.logical",
     "MuonConfig": "lwjax.muon",
     "LayerwiseOptimizer": "lwjax.optimizer",
-    "OptimizerConfig": "lwjax.optimizer",
+    "OptimizerConfig": "lwjax.config",
     "layerwise_muon": "lwjax.optimizer",
-    "LayerwiseState": "lwjax.step",
+    "LayerwiseState": "lwjax.state",
     "jit_shard_map": "lwjax.train",
     "make_train_step": "lwjax.train",
     "value_and_grad": "lwjax.train",

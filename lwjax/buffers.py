@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lwjax.plan import ParamPlan, Segment
+from lwjax.param_plan import ParamPlan, Segment
 from lwjax.routing import path_name
 
 # How :func:`pack` builds a bucket: one concatenate of its pieces (gaps, and runs of

@@ -61,7 +61,7 @@ from lwjax.checkpoint_record import fingerprints as fingerprints
 from lwjax.logical import LogicalState, from_logical, logical_sharding, to_logical
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.routing import LeafRoute, path_name
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 
 
 class AsyncSave:
@@ -207,7 +207,7 @@ def save(
     Args:
       path: Checkpoint directory to create (atomically).
       params: The parameter pytree.
-      state: The optimizer's :class:`~lwjax.step.LayerwiseState`.
+      state: The optimizer's :class:`~lwjax.state.LayerwiseState`.
       optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` that owns ``state``.
       step: Training step to record; defaults to ``state.count``.
       metadata: JSON-serialisable extra record.

@@ -54,7 +54,7 @@ from etils import epath
 from lwjax import checkpoint, checkpoint_files
 from lwjax.checkpoint_record import FORMAT
 from lwjax.optimizer import LayerwiseOptimizer
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 
 LOCK_FILE = ".lwjax-writer.lock"  # held (flock) by the one manager that may write
 ASIDE_SUFFIX = ".lwjax-incomplete"  # an incomplete step directory, moved aside by a save

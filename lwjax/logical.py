@@ -1,6 +1,6 @@
 """The optimizer state per parameter: independent of dp size, layout, policy and buckets.
 
-A :class:`~lwjax.step.LayerwiseState` is packed: per buffer and bucket, one
+A :class:`~lwjax.state.LayerwiseState` is packed: per buffer and bucket, one
 array whose shards hold the masters and moments of whatever each rank owns.
 :func:`to_logical` unpacks it into a :class:`LogicalState` shaped like the
 parameters, and :func:`from_logical` packs one into any optimizer over the same
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.buffers import pack, unpack
 from lwjax.optimizer import LayerwiseOptimizer, state_shardings
-from lwjax.step import LayerwiseState, initial_speculation
+from lwjax.state import LayerwiseState, initial_speculation
 
 
 class LogicalState(NamedTuple):

@@ -34,16 +34,15 @@ from jax import lax
 
 from lwjax.buffers import check_tree
 from lwjax.plan import StepPlan
+from lwjax.state import LayerwiseState, speculates
 from lwjax.step import (
     GradStats,
-    LayerwiseState,
     clip,
     device_ranks,
     finish,
     grad_statistics,
     muon_directions,
     reduce_scatter,
-    speculates,
     update_and_gather,
     update_with_stats,
     with_schedules_checked,

@@ -1,266 +1,40 @@
-"""Per-rank tables of a model's buffers, built from its routes and layouts (pure Python).
+"""The static plan of a step: the per-rank tables, the bucket order and the options (pure Python).
 
-The producer/consumer split of Megatron's ``param_layout.py``: :mod:`lwjax.routing`
-says what each leaf is, :mod:`lwjax.policies` where each parameter lies
-(:class:`~lwjax.layout.FullParamLayout`), and :func:`make_plan` turns both into
-the tables a data-parallel step reads, knowing nothing of how they were made:
-
-* per bucket and rank, the runs of parameter elements in the rank's shard and
-  its padding (:attr:`BufferPlan.runs`, :attr:`BufferPlan.padding`);
-* per layer-wise bucket, the whole matrices each rank owns, grouped by shape
-  for one batched Newton–Schulz (:class:`SlotGroup`);
-* the mesh axes each buffer is reduce-scattered over (:class:`MeshAxes`).
-
-A :class:`StepPlan` adds what the step needs besides: the bucket schedule, the
-options and per-leaf values.
-
-A bucket is a flat array of ``dp * S_b`` elements in Megatron's order: shard
-``r`` (rank ``r``'s share) is ``[r S_b, (r + 1) S_b)``. Expert leaves are
-planned from their *local* shapes (``E / ep`` experts, see
-:attr:`lwjax.routing.LeafRoute.local_shape`): every expert-parallel rank has the
-same layout over its own experts.
+:class:`StepPlan` is what :func:`lwjax.planner.plan_step` builds once and
+the step (:mod:`lwjax.step`, :mod:`lwjax.pipelined`) reads and never changes:
+the per-rank tables of :mod:`lwjax.param_plan` (a :class:`ParamPlan`), the
+bucket schedule of :mod:`lwjax.schedule`, and the options with their per-leaf
+values. The tables and :class:`~lwjax.parallel.axes.MeshAxes` lived here before
+0.5 and keep this path for one release.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lwjax.layout import MAX_BUCKET_ELEMENTS, BufferKey, FullParamLayout, PerBufferParamLayout
-from lwjax.routing import LeafRoute
+from lwjax.parallel.axes import MeshAxes as MeshAxes
+from lwjax.parallel.axes import as_axis_tuple as as_axis_tuple
+from lwjax.param_plan import BufferPlan as BufferPlan
+from lwjax.param_plan import ParamPlan
+from lwjax.param_plan import Segment as Segment
+from lwjax.param_plan import SlotGroup as SlotGroup
+from lwjax.param_plan import make_plan as make_plan
 
 if TYPE_CHECKING:
     import optax
 
+    from lwjax.config import OptimizerConfig
     from lwjax.muon import MuonConfig
-    from lwjax.optimizer import OptimizerConfig
     from lwjax.schedule import BucketSchedule
-
-
-def as_axis_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
-    """Mesh axis names as a tuple: ``"dp"`` is ``("dp",)``."""
-    return axes if isinstance(axes, tuple) else (axes,)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshAxes:
-    """The data-parallel mesh axes of a step and which buffers live on which.
-
-    The data-parallel devices span ``(replica, dp, ep)`` (just ``dp`` without
-    sharding groups or expert parallelism); the batch is split over all of them.
-    A sharding group is one ``replica`` index: its ``(dp, ep)`` devices hold one
-    copy of the optimizer state. A dense bucket has one shard per device of a
-    group, shard ``r`` on the device with ``axis_index((dp, ep)) == r``
-    (``dp``-major); an expert bucket has one shard per ``dp`` rank inside each
-    expert group. Gradients are reduce-scattered within a group and summed
-    across groups (:mod:`lwjax.groups` says why in that order).
-
-    Attributes:
-      dp: The data-parallel axis (Megatron's expert data-parallel group).
-      ep: The expert-parallel axis, or ``None`` without expert parallelism.
-      dp_size: Size of ``dp``.
-      ep_size: Size of ``ep`` (1 when ``ep`` is ``None``).
-      replica: The axis across sharding groups, or ``None`` (one group).
-      replica_size: Size of ``replica`` (1 when ``replica`` is ``None``).
-      tp: The tensor-parallel axes (``()`` without). Each of their devices
-        holds its own block of every split leaf and runs the same plan on it,
-        and their devices' optimizer states differ.
-      tp_sizes: Their sizes.
-    """
-
-    dp: str
-    ep: str | None = None
-    dp_size: int = 1
-    ep_size: int = 1
-    replica: str | None = None
-    replica_size: int = 1
-    tp: tuple[str, ...] = ()
-    tp_sizes: tuple[int, ...] = ()
-
-    @property
-    def tp_size(self) -> int:
-        """Devices a tensor-parallel block is one of: the product of ``tp_sizes``."""
-        return math.prod(self.tp_sizes)
-
-    @property
-    def group(self) -> str | tuple[str, str]:
-        """The devices of one sharding group: dense buffers are split over these axes."""
-        return self.dp if self.ep is None else (self.dp, self.ep)
-
-    @property
-    def group_size(self) -> int:
-        """Devices in a sharding group, ``dp * ep``."""
-        return self.dp_size * self.ep_size
-
-    @property
-    def data(self) -> str | tuple[str, ...]:
-        """All data-parallel devices: the batch is split over these axes."""
-        if self.replica is None:
-            return self.group
-        group = self.group
-        return (self.replica, *(group if isinstance(group, tuple) else (group,)))
-
-    @property
-    def num_data(self) -> int:
-        """Number of data-parallel devices, ``replica * dp * ep``."""
-        return self.replica_size * self.group_size
-
-    def of(self, key: BufferKey) -> str | tuple[str, str]:
-        """The axes a buffer is reduce-scattered over and gathered from (in one group)."""
-        return self.dp if key.is_expert_parallel else self.group
-
-    def state_axes(self, key: BufferKey) -> str | tuple[str, ...]:
-        """Axes of a buffer's global state arrays: expert buckets ``ep``-major, one per group;
-        with tensor parallelism, one such array per ``tp`` device, ``tp``-major."""
-        if key.is_expert_parallel and self.ep is not None:
-            axes = (self.ep, self.dp)
-        else:
-            group = self.group
-            axes = group if isinstance(group, tuple) else (group,)
-        axes = (*self.tp, *axes)
-        return axes if len(axes) > 1 else axes[0]
-
-    @property
-    def statistics(self) -> str | tuple[str, ...]:
-        """The axes gradient statistics are summed over: a group's devices and ``tp``."""
-        group = self.group
-        if not self.tp:
-            return group
-        return (*(group if isinstance(group, tuple) else (group,)), *self.tp)
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """One parameter inside a bucket.
-
-    Attributes:
-      leaf: Index of the leaf (pytree flatten order).
-      leaf_offset: Start of the parameter in the flattened leaf.
-      bucket: The bucket holding it.
-      offset: Start of the parameter in the bucket's flat array.
-      numel: Number of elements.
-    """
-
-    leaf: int
-    leaf_offset: int
-    bucket: int
-    offset: int
-    numel: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotGroup:
-    """Same-shape Muon matrices of one bucket, per rank, for one batched Newton–Schulz.
-
-    Attributes:
-      bucket: The bucket the matrices live in.
-      shape: ``(rows, cols)`` of every matrix in the group, as stored.
-      qkv_split_shapes: q/k/v rows per query group for fused QKV matrices.
-      offsets: ``offsets[r][j]``: start of rank ``r``'s ``j``-th matrix inside
-        its shard. Ranks owning fewer matrices than the group's width point the
-        spare slots at the shard size (a zero scratch area past the shard).
-      names: ``names[r]``: the parameters behind rank ``r``'s real slots.
-      lr_mult, wd_mult: The learning-rate and weight-decay multipliers shared
-        by every matrix of the group.
-      tensor_split: The tensor-parallel mesh axes (positions in
-        ``MeshAxes.tp``) that split the rows and the columns of each matrix,
-        major first: ``shape`` is one device's block. ``((), ())``: whole.
-      tensor_whole: The tensor-parallel mesh axes over which every device
-        holds the same matrices (counted on the first device of each).
-    """
-
-    bucket: int
-    shape: tuple[int, int]
-    qkv_split_shapes: tuple[int, ...] | None
-    offsets: tuple[tuple[int, ...], ...]
-    names: tuple[tuple[str, ...], ...]
-    lr_mult: float = 1.0
-    wd_mult: float = 1.0
-    tensor_split: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-    tensor_whole: tuple[int, ...] = ()
-
-    @property
-    def width(self) -> int:
-        """Matrices per rank in the batched call (the largest count over ranks)."""
-        return len(self.offsets[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class BufferPlan:
-    """One flat buffer: its key, layout and per-bucket geometry.
-
-    Attributes:
-      key: The buffer's :class:`BufferKey`.
-      layout: Its Megatron-style layout.
-      dp: Number of shards per bucket.
-      shard_sizes: Elements per shard, per bucket.
-      segments: Every parameter, ordered by (bucket, offset).
-      slot_groups: For layer-wise buffers, the owned matrices grouped by
-        bucket and shape; empty for elementwise buffers.
-      padding: ``padding[b][r]``: elements of that shard that belong to no parameter.
-      runs: ``runs[b][r]``: ``(shard_offset, numel, leaf)`` of every parameter
-        run inside rank ``r``'s shard of bucket ``b``, in shard order; per-leaf
-        options (multipliers, norm groups) become per-element vectors from it.
-    """
-
-    key: BufferKey
-    layout: PerBufferParamLayout
-    dp: int
-    shard_sizes: tuple[int, ...]
-    segments: tuple[Segment, ...]
-    slot_groups: tuple[SlotGroup, ...]
-    padding: tuple[tuple[int, ...], ...]
-    runs: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...] = ()
-
-    @property
-    def numel(self) -> int:
-        """Buffer length over all buckets, padding included."""
-        return self.layout.numel
-
-    @property
-    def num_buckets(self) -> int:
-        """Number of buckets."""
-        return len(self.shard_sizes)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamPlan:
-    """Everything static about a model's parameters in lwjax buffers.
-
-    Attributes:
-      treedef: The parameter pytree's structure.
-      routes: One :class:`~lwjax.routing.LeafRoute` per leaf, flatten order.
-      layout: The :class:`~lwjax.layout.FullParamLayout` of all parameters.
-      buffers: One :class:`BufferPlan` per buffer, in ``layout`` order.
-      axes: The mesh axes the buffers are sharded over.
-    """
-
-    treedef: Any  # jax.tree_util.PyTreeDef
-    routes: tuple[LeafRoute, ...]
-    layout: FullParamLayout
-    buffers: tuple[BufferPlan, ...]
-    axes: MeshAxes
-
-    @property
-    def grad_norm_groups(self) -> tuple[str, ...]:
-        """Names of the separate gradient-norm groups, sorted (the main norm is not listed)."""
-        return tuple(
-            sorted({r.grad_norm_group for r in self.routes if r.grad_norm_group is not None})
-        )
-
-    @property
-    def has_experts(self) -> bool:
-        """Whether any leaf is expert-parallel."""
-        return any(r.is_expert for r in self.routes)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan(ParamPlan):
     """Everything static about a step: where parameters live, the bucket order, and the options.
 
-    Built once by :func:`lwjax.optimizer.plan_step`; the step (:mod:`lwjax.step`)
+    Built once by :func:`lwjax.planner.plan_step`; the step (:mod:`lwjax.step`)
     reads it and never changes it.
 
     Attributes:
@@ -294,118 +68,3 @@ class StepPlan(ParamPlan):
     group_of: tuple[int, ...]
     lr_mult_of: tuple[float, ...]
     decay_of: tuple[float, ...]
-
-
-def make_plan(
-    treedef, routes: Sequence[LeafRoute], layout: FullParamLayout, axes: MeshAxes
-) -> ParamPlan:
-    """Build the per-rank tables of every buffer of ``layout``.
-
-    Args:
-      treedef: The parameter pytree's structure (``routes`` in its flatten order).
-      routes: One route per leaf (:func:`lwjax.routing.route_leaves`).
-      layout: Where every parameter lies (:func:`lwjax.policies.compute_full_param_layout`
-        of the routes' :func:`~lwjax.routing.param_specs`).
-      axes: The mesh axes the layout's shards live on.
-
-    Returns:
-      The static :class:`ParamPlan`.
-    """
-    where = {}  # parameter name -> (leaf, index among the leaf's stacked parameters)
-    for leaf, route in enumerate(routes):
-        for index, name in enumerate(route.param_names()):
-            where[name] = (leaf, index)
-    buffers = tuple(_plan_buffer(key, lay, routes, where) for key, lay in layout.layouts.items())
-    return ParamPlan(
-        treedef=treedef, routes=tuple(routes), layout=layout, buffers=buffers, axes=axes
-    )
-
-
-def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) -> BufferPlan:
-    """One buffer's segments, per-rank runs and padding, and (layer-wise) slot groups."""
-    dp = layout.num_shards
-    sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
-    for bucket, size in enumerate(sizes):
-        if size * dp > MAX_BUCKET_ELEMENTS:
-            numel, name = max(
-                (end - start, name)
-                for name, (start, end, b) in layout.param_index_map.items()
-                if b == bucket
-            )
-            raise ValueError(
-                f"layout: bucket {bucket} of buffer {key} holds {size * dp:,} elements (its "
-                f"largest parameter: {name}, {numel:,}); lwjax indexes a bucket with int32 "
-                f"offsets, so it must hold at most {MAX_BUCKET_ELEMENTS:,}. Set "
-                "LayoutConfig.bucket_size to split the buffer into smaller buckets; a single "
-                "parameter that large has to be split over a tensor-parallel axis (tensor_axis)."
-            )
-    segments = []
-    runs = [[[] for _ in range(dp)] for _ in sizes]
-    used = [[0] * dp for _ in sizes]
-    owned: dict[
-        tuple, list[list[tuple[int, str]]]
-    ] = {}  # slot group key -> per rank (shard offset, name)
-    for name, (start, end, bucket) in layout.param_index_map.items():
-        leaf, index = where[name]
-        route = routes[leaf]
-        bucket_start, _ = layout.bucket_indices[bucket]
-        size = sizes[bucket]
-        segments.append(
-            Segment(leaf, index * (end - start), bucket, start - bucket_start, end - start)
-        )
-        cursor = start - bucket_start
-        while cursor < end - bucket_start:  # the parameter's runs in each shard it touches
-            rank, stop = cursor // size, min(end - bucket_start, (cursor // size + 1) * size)
-            used[bucket][rank] += stop - cursor
-            runs[bucket][rank].append((cursor - rank * size, stop - cursor, leaf))
-            cursor = stop
-        if key.is_layer_wise:
-            rank = layout.shard_of(name)
-            group_key = (
-                bucket,
-                route.param_shape,
-                route.qkv_split_shapes,
-                route.lr_mult,
-                route.wd_mult,
-                route.tensor_split,
-                route.tensor_whole,
-            )
-            per_rank = owned.setdefault(group_key, [[] for _ in range(dp)])
-            per_rank[rank].append((start - bucket_start - rank * size, name))
-    return BufferPlan(
-        key=key,
-        layout=layout,
-        dp=dp,
-        shard_sizes=sizes,
-        segments=tuple(sorted(segments, key=lambda s: (s.bucket, s.offset))),
-        slot_groups=_slot_groups(owned, sizes),
-        padding=tuple(tuple(size - u for u in per_bucket) for size, per_bucket in zip(sizes, used)),
-        runs=tuple(tuple(tuple(sorted(r)) for r in per_bucket) for per_bucket in runs),
-    )
-
-
-def _slot_groups(
-    owned: dict[tuple, list[list[tuple[int, str]]]], sizes: tuple[int, ...]
-) -> tuple[SlotGroup, ...]:
-    """Slot groups in a deterministic order (bucket, shape, split, multipliers), spare slots padded.
-
-    A rank that owns fewer matrices of a group than the widest rank points its
-    spare slots at the shard size, a zero scratch area past its shard.
-    """
-
-    def order(item):
-        bucket, shape, split, lr_mult, wd_mult, tensor_split, whole = item[0]
-        return bucket, shape, split or (), lr_mult, wd_mult, tensor_split, whole
-
-    groups = []
-    for key, per_rank in sorted(owned.items(), key=order):
-        bucket, shape, split, lr_mult, wd_mult, tensor_split, whole = key
-        width = max(len(slots) for slots in per_rank)
-        offsets = tuple(
-            tuple(sorted(o for o, _ in s)) + (sizes[bucket],) * (width - len(s)) for s in per_rank
-        )
-        names = tuple(tuple(n for _, n in sorted(s)) for s in per_rank)
-        groups.append(
-            SlotGroup(bucket, shape, split, offsets, names, lr_mult, wd_mult, tensor_split, whole)
-        )
-    return tuple(groups)

@@ -39,7 +39,7 @@ import dataclasses
 import numpy as np
 
 from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
-from lwjax.plan import ParamPlan, SlotGroup
+from lwjax.param_plan import ParamPlan, SlotGroup
 
 MATMUL_FLOPS_PER_S = 600e12
 MEMORY_BYTES_PER_S = 3e12

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lwjax.plan import BufferPlan, SlotGroup
+from lwjax.config import PARAM_SYNCS as PARAM_SYNCS
+from lwjax.param_plan import BufferPlan, SlotGroup
 
 MAX_SELECT_RUNS = 16  # per_element: at most this many runs per shard become selects, more a repeat
-PARAM_SYNCS = ("all_gather", "broadcast")
 
 
 def rank_table(rows, dtype=np.int32) -> jax.Array:

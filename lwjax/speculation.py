@@ -32,7 +32,7 @@ from collections.abc import Callable
 import jax
 
 from lwjax.plan import StepPlan
-from lwjax.step import LayerwiseState, speculates
+from lwjax.state import LayerwiseState, speculates
 
 # The first call, counting from 0, at which a run that starts from a fresh or restored state
 # (its flag off) may speculate: after the flag of the step before last turned on.

@@ -45,7 +45,7 @@ sum), so its sum over ``dp`` is the gradient of the global mean loss too.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,25 +56,11 @@ from lwjax import muon as muon_lib
 from lwjax import shards
 from lwjax.buffers import check_tree, pack, unpack
 from lwjax.plan import StepPlan
+from lwjax.state import LayerwiseState as LayerwiseState
+from lwjax.state import initial_speculation as initial_speculation
+from lwjax.state import speculates as speculates
 
 CLIP_EPS = 1e-6
-
-
-class LayerwiseState(NamedTuple):
-    """State of :func:`lwjax.layerwise_muon`; arrays only, sharded over the data-parallel axes.
-
-    Per buffer and bucket, one global array of ``shards * S_b`` elements whose
-    shard ``r`` lives on the device of rank ``r`` (:mod:`lwjax.plan`).
-    """
-
-    count: jax.Array  # shape=(), int32: applied (not skipped) steps.
-    masters: tuple[tuple[jax.Array, ...], ...]  # [buffer][bucket]: fp32 master weights.
-    momenta: tuple[tuple[jax.Array, ...] | None, ...]  # Muon momentum; None if elementwise.
-    elementwise: tuple[tuple[Any, ...] | None, ...]  # optax state; None if layer-wise.
-    # shape=(), bool, only where the step speculates (:func:`speculates`): whether the last
-    # applied step needed no Muon clip, so the next step (or, as the host chooses in
-    # lwjax.speculation, the step after it) starts Newton–Schulz before the norm.
-    speculate: jax.Array | None = None
 
 
 class GradStats(NamedTuple):
@@ -87,24 +73,6 @@ class GradStats(NamedTuple):
     zeros: jax.Array
     finite: jax.Array  # shape=(), bool: every norm is finite (else the step is skipped).
     groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
-
-
-def speculates(plan: StepPlan) -> bool:
-    """Whether the state carries a speculation flag: the step is pipelined, clips and has
-    Muon matrices.
-
-    Without clipping the pipelined step is exact, and without Muon it starts
-    nothing early: it has nothing to guess.
-    """
-    has_muon = any(b.key.is_layer_wise for b in plan.buffers)
-    return bool(plan.config.pipeline_muon and plan.config.clip_grad and has_muon)
-
-
-def initial_speculation(plan: StepPlan) -> jax.Array | None:
-    """``LayerwiseState.speculate`` of a fresh or restored state: ``False`` (the first step,
-    or two as the host chooses, waits for the norm, as early training mostly clips), or
-    ``None`` where nothing speculates."""
-    return jnp.zeros([], jnp.bool_) if speculates(plan) else None
 
 
 def init(plan: StepPlan, params) -> LayerwiseState:

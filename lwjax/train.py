@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.loss_adapter import LossAdapter
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
-from lwjax.plan import as_axis_tuple
+from lwjax.parallel.axes import as_axis_tuple
 from lwjax.speculation import with_host_speculation
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 from lwjax.train_options import TrainStepOptions
 
 
@@ -69,7 +69,7 @@ def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable
     axes = optimizer.data_axes
     # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
     # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
-    manual = {} if optimizer.tensor_axis is None else {"axis_names": set(as_axis_tuple(axes))}
+    manual = {} if optimizer.param_axes is None else {"axis_names": set(as_axis_tuple(axes))}
 
     def local(params, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -151,7 +151,7 @@ def make_train_step(
 
     Raises:
       ValueError: ``accumulate`` is not a positive integer; an optimizer with
-        a ``tensor_axis`` (``loss_fn`` runs per device here, and a
+        ``param_axes`` (``loss_fn`` runs per device here, and a
         tensor-parallel model's collectives belong to XLA: use
         :func:`value_and_grad` and ``optimizer.update`` under ``jax.jit``);
         (at call time) a batch leaf whose leading axis is empty or does not
@@ -174,9 +174,9 @@ def make_train_step(
     """
     options = _resolved_options(options, overlap_param_gather)
     adapter = LossAdapter(loss_fn, has_aux=has_aux, mutable=mutable, rng=rng, accumulate=accumulate)
-    if optimizer.tensor_axis is not None:
+    if optimizer.param_axes is not None:
         raise ValueError(
-            f"make_train_step: the optimizer has tensor_axis={optimizer.tensor_axis!r}; a "
+            f"make_train_step: the optimizer has param_axes={optimizer.param_axes!r}; a "
             "tensor-parallel loss is partitioned by XLA, not per device. Step with "
             "lwjax.value_and_grad(loss_fn, optimizer) and optimizer.update under jax.jit "
             "(docs/scaling.md)."

@@ -42,9 +42,10 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax import step as step_lib
 from lwjax.buffers import checked_leaves, match_routes
-from lwjax.plan import ParamPlan, StepPlan
+from lwjax.param_plan import ParamPlan
+from lwjax.plan import StepPlan
 from lwjax.routing import is_array_like, path_name
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 
 
 def optax_functions(

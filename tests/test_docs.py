@@ -224,7 +224,7 @@ def test_architecture_module_map_names_every_module():
     assert "lwjax/megatron/" in text and "demo/" in text
 
 
-@pytest.mark.parametrize("module", ["optimizer", "train", "routing", "policies"])
+@pytest.mark.parametrize("module", ["optimizer", "parallel.mesh", "train", "routing", "policies"])
 def test_core_docstring_examples_run(module):
     """The Examples blocks of the entry points run as written."""
     import doctest

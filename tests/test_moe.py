@@ -280,7 +280,7 @@ def test_bad_expert_setup_gets_clear_errors():
     with pytest.raises(ValueError, match="no expert-parallel axis 'ep'"):
         layerwise_muon(params, dense_mesh, expert_axis="ep", routing=RoutingRules(**ROUTING))
     with pytest.raises(
-        ValueError, match="axis, expert_axis, replica_axis and tensor_axis must differ"
+        ValueError, match="axis, expert_axis, replica_axis and param_axes must differ"
     ):
         layerwise_muon(params, mesh_of(2, 4), expert_axis="dp", routing=RoutingRules(**ROUTING))
     with pytest.raises(

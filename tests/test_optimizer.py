@@ -17,7 +17,7 @@ from lwjax.layout import POLICIES
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import ALONE_BUCKET_SIZE, OptimizerConfig, layerwise_muon
 from lwjax.schedule import schedule_buckets
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 from lwjax.train import make_train_step
 
 MUON = MuonConfig(momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2)
@@ -1123,8 +1123,19 @@ def test_auto_buckets_of_duplicated_muon_alone_on_its_devices_stay_under_int32()
         for i in range(3)
     }
     with pytest.raises(ValueError, match="int32 offsets"):
-        layerwise_muon(params, mesh, tensor_axis="tp", layout=LayoutConfig(bucket_size=None))
-    opt = layerwise_muon(params, mesh, tensor_axis="tp")
+        layerwise_muon(params, mesh, param_axes="tp", layout=LayoutConfig(bucket_size=None))
+    opt = layerwise_muon(params, mesh, param_axes="tp")
     assert [b.shard_sizes for b in opt.plan.buffers] == [(ALONE_BUCKET_SIZE,) * 3]
     _, _, metrics = _traced_local_update(opt, params)
     assert metrics["update_rms"].shape == ()
+
+
+def test_tensor_axis_is_a_deprecated_name_of_param_axes():
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("dp", "tp"))
+    params = {"w": jnp.zeros((8, 8))}
+    with pytest.warns(DeprecationWarning, match="pass param_axes="):
+        opt = layerwise_muon(params, mesh, tensor_axis="tp")
+    assert opt.param_axes == opt.tensor_axis == "tp"
+    assert opt.plan.axes == layerwise_muon(params, mesh, param_axes="tp").plan.axes
+    with pytest.raises(TypeError, match="both param_axes and tensor_axis"):
+        layerwise_muon(params, mesh, param_axes="tp", tensor_axis="tp")

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from lwjax.speculation import HostSpeculation
-from lwjax.step import LayerwiseState
+from lwjax.state import LayerwiseState
 
 
 def _state(flag):

@@ -110,7 +110,7 @@ def test_whole_matrix_modes_match_the_unsharded_reference(mesh_name, mode, scale
     opt = lwjax.layerwise_muon(
         sharded,
         mesh,
-        tensor_axis="tp",
+        param_axes="tp",
         replica_axis=replica,
         learning_rate=0.01,
         muon=muon,
@@ -162,7 +162,7 @@ def test_optax_update_matches_the_step_with_metrics():
     mesh = MESHES["dp4xtp2"]()
     params, specs = _model()
     sharded = _put(params, specs, mesh)
-    opt = lwjax.layerwise_muon(sharded, mesh, tensor_axis="tp", routing=RULES)
+    opt = lwjax.layerwise_muon(sharded, mesh, param_axes="tp", routing=RULES)
     state = opt.init(sharded)
     grads = _put(_grads(params, 3), specs, mesh)
     updates, _ = jax.jit(opt.update)(grads, state, sharded)
@@ -201,7 +201,7 @@ def test_value_and_grad_trains_like_the_unsharded_optimizer(pipeline_muon):
     config = OptimizerConfig(clip_grad=0.05, pipeline_muon=pipeline_muon)
     fp32 = MuonConfig(fp32_matmul_prec="highest")
     opt = lwjax.layerwise_muon(
-        _put(params, specs, mesh), mesh, tensor_axis="tp", config=config, muon=fp32
+        _put(params, specs, mesh), mesh, param_axes="tp", config=config, muon=fp32
     )
     plain = lwjax.layerwise_muon(
         params,
@@ -230,7 +230,7 @@ def test_value_and_grad_trains_like_the_unsharded_optimizer(pipeline_muon):
     for k in params:
         np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), atol=2e-6, err_msg=k)
         assert a[k].sharding.spec == specs[k]
-    with pytest.raises(ValueError, match="make_train_step: the optimizer has tensor_axis='tp'"):
+    with pytest.raises(ValueError, match="make_train_step: the optimizer has param_axes='tp'"):
         lwjax.make_train_step(_mlp_loss, opt)
 
 
@@ -256,7 +256,7 @@ def test_blockwise_orthogonalises_each_block_as_its_own_matrix():
     opt = lwjax.layerwise_muon(
         _put(params, specs, mesh),
         mesh,
-        tensor_axis="tp",
+        param_axes="tp",
         muon=muon,
         routing=RoutingRules(qkv_split={"qkv": QKV}),
     )
@@ -280,7 +280,7 @@ def test_blockwise_orthogonalises_each_block_as_its_own_matrix():
     dup = lwjax.layerwise_muon(
         _put(params, specs, mesh),
         mesh,
-        tensor_axis="tp",
+        param_axes="tp",
         muon=MuonConfig(scale_mode="unit_rms_norm", fp32_matmul_prec="highest"),
         routing=RoutingRules(qkv_split={"qkv": QKV}),
     )
@@ -293,7 +293,7 @@ def test_blockwise_orthogonalises_each_block_as_its_own_matrix():
 def test_routing_table_shows_the_split():
     mesh = MESHES["dp4xtp2"]()
     params, specs = _model()
-    opt = lwjax.layerwise_muon(_put(params, specs, mesh), mesh, tensor_axis="tp", routing=RULES)
+    opt = lwjax.layerwise_muon(_put(params, specs, mesh), mesh, param_axes="tp", routing=RULES)
     table = opt.routing_table()
     assert "[16, 32] (cols / 2)" in table  # wq: heads x head_dim merged, split on heads
     assert "[32, 16] (rows / 2)" in table  # proj
@@ -310,17 +310,17 @@ def test_bad_shardings_are_named():
     params = {"w": jnp.zeros((16, 16))}
     fsdp = {"w": jax.device_put(params["w"], NamedSharding(mesh, P("fsdp")))}
     with pytest.raises(ValueError, match=r"w is sharded over mesh axis 'fsdp' on axis 0"):
-        lwjax.layerwise_muon(fsdp, mesh, tensor_axis="tp")
+        lwjax.layerwise_muon(fsdp, mesh, param_axes="tp")
     qkv = {"qkv": jax.device_put(jnp.zeros((16, 48)), NamedSharding(mesh, P(None, "tp")))}
     # 48 output rows = 3 groups of (8, 4, 4): a device's 24 rows are not whole groups.
     with pytest.raises(ValueError, match=r"qkv: split over tensor parallelism on axes \(1,\)"):
         lwjax.layerwise_muon(
-            qkv, mesh, tensor_axis="tp", routing=RoutingRules(qkv_split={"qkv": QKV})
+            qkv, mesh, param_axes="tp", routing=RoutingRules(qkv_split={"qkv": QKV})
         )
     with pytest.warns(UserWarning, match="no parameter's sharding splits over it"):
-        lwjax.layerwise_muon({"w": np.zeros((16, 16), np.float32)}, mesh, tensor_axis="tp")
+        lwjax.layerwise_muon({"w": np.zeros((16, 16), np.float32)}, mesh, param_axes="tp")
     with pytest.raises(ValueError, match="no tensor-parallel axis 'model'"):
-        lwjax.layerwise_muon(params, mesh, tensor_axis="model")
+        lwjax.layerwise_muon(params, mesh, param_axes="model")
 
 
 def test_checkpoints_move_between_tensor_parallel_and_not(tmp_path):
@@ -329,7 +329,7 @@ def test_checkpoints_move_between_tensor_parallel_and_not(tmp_path):
     mesh = MESHES["dp4xtp2"]()
     params, specs = _model()
     sharded = _put(params, specs, mesh)
-    opt = lwjax.layerwise_muon(sharded, mesh, tensor_axis="tp", routing=RULES)
+    opt = lwjax.layerwise_muon(sharded, mesh, param_axes="tp", routing=RULES)
     state = opt.init(sharded)
     new, state, _ = _metrics_step(opt)(_put(_grads(params, 1), specs, mesh), state, sharded)
     lwjax.save(tmp_path / "tp", new, state, opt)
@@ -395,7 +395,7 @@ def test_fully_sharded_parameters_train_like_the_unsharded_optimizer():
         b, sb = plain_step(b, sb, grads[-1])
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("dp", "fsdp"))
     opt = lwjax.layerwise_muon(
-        _put(params, specs, mesh), mesh, tensor_axis="fsdp", muon=muon, routing=rules
+        _put(params, specs, mesh), mesh, param_axes="fsdp", muon=muon, routing=rules
     )
     a, sa, sharded_step = _put(params, specs, mesh), opt.init(_put(params, specs, mesh)), apply(opt)
     for g in grads:
@@ -455,7 +455,7 @@ def test_expert_leaves_split_over_tensor_and_expert_axes_match_the_reference():
         _put(params, specs, mesh),
         mesh,
         expert_axis="ep",
-        tensor_axis="tp",
+        param_axes="tp",
         muon=muon,
         config=config,
         routing=rules,
@@ -481,7 +481,7 @@ def test_expert_leaves_split_over_tensor_and_expert_axes_match_the_reference():
 
 
 def test_leaves_split_over_two_axes_match_the_unsharded_reference():
-    """dp 2 x fsdp 2 x tp 2 with ``tensor_axis=("fsdp", "tp")``: matrices split over both axes
+    """dp 2 x fsdp 2 x tp 2 with ``param_axes=("fsdp", "tp")``: matrices split over both axes
     on their two sides (a grid of blocks) or together on one, a fused QKV matrix, a stack split
     over ``fsdp`` on its layer axis, leaves whole over one axis or both. Two steps against the
     reference: parameters, norm (each leaf counted once), zeros, and the logical state."""
@@ -503,7 +503,7 @@ def test_leaves_split_over_two_axes_match_the_unsharded_reference():
     config = OptimizerConfig(clip_grad=40.0)
     sharded = _put(params, specs, mesh)
     opt = lwjax.layerwise_muon(
-        sharded, mesh, tensor_axis=("fsdp", "tp"), muon=muon, config=config, routing=rules
+        sharded, mesh, param_axes=("fsdp", "tp"), muon=muon, config=config, routing=rules
     )
     routes = {r.path: r for r in opt.plan.routes}
     assert routes["layers/up"].tensor_split == ((0,), (1,))
@@ -541,15 +541,15 @@ def test_leaves_split_over_two_axes_match_the_unsharded_reference():
         lwjax.layerwise_muon(
             sharded,
             mesh,
-            tensor_axis=("fsdp", "tp"),
+            param_axes=("fsdp", "tp"),
             muon=MuonConfig(tp_mode="distributed"),
             routing=rules,
         )
-    with pytest.raises(ValueError, match=r"name them in tensor_axis's order \('fsdp', 'tp'\)"):
+    with pytest.raises(ValueError, match=r"name them in param_axes's order \('fsdp', 'tp'\)"):
         lwjax.layerwise_muon(
             {"w": jax.device_put(jnp.zeros((16, 16)), NamedSharding(mesh, P(("tp", "fsdp"))))},
             mesh,
-            tensor_axis=("fsdp", "tp"),
+            param_axes=("fsdp", "tp"),
         )
 
 
@@ -582,7 +582,7 @@ def test_adam_only_state_round_trips_through_logical_form_with_tensor_parallelis
     opt = lwjax.layerwise_muon(
         params,
         mesh,
-        tensor_axis="tp",
+        param_axes="tp",
         learning_rate=1e-3,
         routing=RoutingRules(is_muon={"*": False}),
     )

@@ -142,7 +142,7 @@ class GPTConfig:
         see it; ``blockwise`` orthogonalises other ``linear_fc1`` blocks than
         Megatron does.
 
-        Use it with :func:`lwjax.layerwise_muon`'s ``tensor_axis=axis``.
+        Use it with :func:`lwjax.layerwise_muon`'s ``param_axes=axis``.
         """
         from jax.sharding import PartitionSpec as P  # here: the tree itself needs no jax
 

@@ -248,7 +248,7 @@ class MegatronImport:
                 named_shardings(mesh, self.config.tensor_specs(tensor_axis)),
             )
         kwargs = self.optimizer_kwargs(**overrides)
-        return layerwise_muon(params, mesh, tensor_axis=tensor_axis, **kwargs)
+        return layerwise_muon(params, mesh, param_axes=tensor_axis, **kwargs)
 
     def state(self, optimizer):
         """``(params, state)`` on ``optimizer``'s mesh: the parameters placed as the optimizer

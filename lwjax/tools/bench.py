@@ -48,7 +48,7 @@ from lwjax.optimizer import (
     resolved_layout,
 )
 from lwjax.speculation import FIRST_SPECULATION, chosen_on_host
-from lwjax.step import speculates
+from lwjax.state import speculates
 from lwjax.train import jit_shard_map
 
 # Megatron-Core GPTs (lwjax.megatron.gpt): 8b is Llama-3-8B's layer with 4 layers; 1b has 16
