@@ -8,8 +8,9 @@ whole matrices ``[..., m, n]``, on top of
 and runs :func:`muon_update` on them in its two halves: :func:`muon_polar`
 (momentum and Newton–Schulz, no parameter needed, so it can start before the
 gradient norm is known) and :func:`apply_polar` (scale, weight decay and step).
-Blocks of matrices split over devices come with a :class:`BlockExchange`, built
-by :mod:`lwjax.parallel.exchange`: the math calls it and reads no mesh axis name.
+Blocks of matrices split over devices come with an exchange (``_BlockExchange``: how
+to orthogonalise them, which shape scales them), built by :mod:`lwjax.parallel.exchange`:
+the math calls it and reads no mesh axis name.
 
 The numerics follow ``emerging_optimizers`` 0.3.0: the same step order, scale
 modes and QKV split. Options are static Python values in a :class:`MuonConfig`,
@@ -48,7 +49,7 @@ TensorParallelMode = Literal["duplicated", "distributed", "blockwise"]
 TP_MODES: tuple[str, ...] = ("duplicated", "distributed", "blockwise")
 
 
-class BlockExchange(Protocol):
+class _BlockExchange(Protocol):
     """What the math needs to know of a stack of blocks of split matrices (in ``shard_map``).
 
     :class:`lwjax.parallel.exchange.SplitExchange` is the one the step uses; a
@@ -136,7 +137,7 @@ def _polar(
     num_ns_steps,
     precision,
     qkv_split_shapes,
-    exchange: BlockExchange | None = None,
+    exchange: _BlockExchange | None = None,
 ) -> jax.Array:
     """Newton–Schulz of the matrix, or of each QKV piece with its rows put back, unscaled.
 
@@ -340,7 +341,7 @@ def muon_polar(
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
     skip: jax.Array | None = None,
-    exchange: BlockExchange | None = None,
+    exchange: _BlockExchange | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""The first half of :func:`muon_update`, which needs no parameter: new momentum and :math:`Q`.
 
@@ -360,7 +361,7 @@ def muon_polar(
     the new momentum and its norm in one pass.
 
     ``exchange``: the arrays are this device's blocks of matrices split over
-    devices (:class:`BlockExchange`); :math:`Q` is the block of the whole
+    devices (``_BlockExchange``); :math:`Q` is the block of the whole
     matrix's polar factor, or of the block's own, as the exchange says
     (``MuonConfig.tp_mode``).
 
@@ -395,7 +396,7 @@ def apply_polar(
     weight_decay: float | jax.Array,
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
-    exchange: BlockExchange | None = None,
+    exchange: _BlockExchange | None = None,
 ) -> jax.Array:
     r"""The second half of :func:`muon_update`: scale :func:`muon_polar`'s :math:`Q`, take the step.
 
@@ -408,7 +409,7 @@ def apply_polar(
     is formed in ``param``'s dtype (the fp32 masters'). Decay is skipped when
     it is a literal zero, as Megatron does. With ``exchange`` (blocks of split
     matrices), :math:`s` is that of the shape it names
-    (:meth:`BlockExchange.whole_shape`: the whole matrix's, except under
+    (``whole_shape``: the whole matrix's, except under
     ``"blockwise"``).
 
     Returns:

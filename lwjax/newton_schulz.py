@@ -340,8 +340,8 @@ def _split_of(sharded) -> tuple[Callable, bool]:
     reduce, dim = sharded
     if not callable(reduce):
         raise TypeError(
-            "newton_schulz: sharded=(reduce, dim) takes a callable that sums over the blocks "
-            f"since 0.4.0's (axis_name, dim); got {type(reduce).__name__}. Pass "
+            "newton_schulz: sharded=(reduce, dim) takes a callable that sums over the blocks, "
+            f"no longer a mesh axis name (as 0.4.0 did); got {type(reduce).__name__}. Pass "
             "functools.partial(jax.lax.psum, axis_name=...)."
         )
     if dim not in (-2, -1):

@@ -28,9 +28,9 @@ With a tensor-parallel axis every device holds its blocks of the split
 leaves and runs all of this on them (the same plan on every such device):
 phase 3 sums over that axis too, counting leaves held whole on its first
 device only, and phase 4 orthogonalises split matrices as
-``MuonConfig.tp_mode`` says (:func:`tensor_split`).
+``MuonConfig.tp_mode`` says (:mod:`lwjax.parallel.exchange`).
 
-Phases 4 and 5 run bucket by bucket in the order of the plan's
+Phases 4 and 5 (:mod:`lwjax.bucket_update`) run bucket by bucket in the order of the plan's
 :class:`~lwjax.schedule.BucketSchedule`, which pairs each gather with a later
 bucket's update so that it hides behind Newton–Schulz. The speculative variant,
 :func:`lwjax.pipelined.update_pipelined`, starts Newton–Schulz before the norm is known.

@@ -937,7 +937,7 @@ def _joined(blocks, dim):
 
 @dataclasses.dataclass(frozen=True)
 class _StackedBlocks:
-    """A :class:`lwjax.muon.BlockExchange` without a mesh: ``count`` blocks of each matrix,
+    """A ``lwjax.muon._BlockExchange`` without a mesh: ``count`` blocks of each matrix,
     split along ``dim``, on the last batch axis; Newton–Schulz iterates on them, its sums reduced
     over the blocks (the ``distributed`` mode's arithmetic)."""
 

@@ -60,7 +60,7 @@ class SplitExchange:
     """One tensor-parallel mode applied to matrices split as ``split`` says.
 
     Handed to :func:`lwjax.muon.muon_polar` and :func:`lwjax.muon.apply_polar`
-    (the :class:`lwjax.muon.BlockExchange` they call).
+    (the ``lwjax.muon._BlockExchange`` they call).
 
     Attributes:
       split: How each matrix of the stack is split over the mesh axes.
