@@ -155,22 +155,16 @@ def update_and_gather(
     ]
     gathered = [[None] * b.num_buckets for b in plan.buffers]
     delta_sq, previous = jnp.zeros([], plan.master_dtype), ()
+    final = True if early is None else early.final
     steps = plan.schedule.steps
     for t, step in enumerate(steps):
         i, k = step.buffer, step.bucket
         due = [(steps[j].buffer, steps[j].bucket) for j in plan.schedule.lands_before(t)]
-        due = due if gather else []
         own = None if early is None else early.of.get((i, k))
-        # The bucket waits for the previous update; the gathers due by now land first.
         inputs = BucketShards(masters[i][k], moments[i][k], grad_shards[i][k], own)
-        bucket, _, arrived = lax.optimization_barrier(
-            (inputs, previous, [gathered[a][b] for a, b in due])
-        )
-        for (a, b), x in zip(due, arrived):
-            gathered[a][b] = x
-        final = True if early is None else early.final
+        inputs = _in_order(inputs, previous, due if gather else [], gathered)
         masters[i][k], moments[i][k], d = update_bucket(
-            plan, views[i][k], bucket, stats, rates, final
+            plan, views[i][k], inputs, stats, rates, final
         )
         delta_sq += d
         previous = masters[i][k]
@@ -178,6 +172,18 @@ def update_and_gather(
             previous = previous.astype(plan.buffers[i].key.param_dtype)
             gathered[i][k] = gather_shard(plan, i, previous, views[i][k].rank)
     return masters, moments, gathered if gather else None, delta_sq
+
+
+def _in_order(inputs: BucketShards, previous, due: list, gathered: list) -> BucketShards:
+    """``inputs`` behind one optimization barrier with the previous bucket's update and the
+    gathers ``due`` by now: the bucket waits for the one before, and those gathers land
+    first (written into ``gathered``)."""
+    inputs, _, arrived = lax.optimization_barrier(
+        (inputs, previous, [gathered[a][b] for a, b in due])
+    )
+    for (a, b), x in zip(due, arrived):
+        gathered[a][b] = x
+    return inputs
 
 
 def gather_shard(plan: StepPlan, i: int, shard: jax.Array, rank) -> jax.Array:
