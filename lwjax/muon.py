@@ -1,13 +1,16 @@
 """Muon's per-matrix step, as Megatron-Core runs it, in batched ``jax.numpy``.
 
-Only arithmetic lives here: the scale modes, the QKV split and one Muon step
-(:func:`muon_update`) on a stack of whole matrices ``[..., m, n]``, on top of
-:func:`~lwjax.newton_schulz.newton_schulz`. Ownership and collectives belong to
-the layer-wise step (:mod:`lwjax.step`), which reads the matrices a rank owns
-as one stack per shape and runs :func:`muon_update` on them in its two halves:
-:func:`muon_polar` (momentum and Newton–Schulz, no parameter needed, so it can
-start before the gradient norm is known) and :func:`apply_polar` (scale, weight
-decay and step).
+Only arithmetic lives here: one Muon step (:func:`muon_update`) on a stack of
+whole matrices ``[..., m, n]``, on top of
+:func:`~lwjax.newton_schulz.newton_schulz` and the scale modes and QKV split of
+:mod:`lwjax.muon_scale`. Ownership and collectives belong to the layer-wise step
+(:mod:`lwjax.step`), which reads the matrices a rank owns as one stack per shape
+and runs :func:`muon_update` on them in its two halves: :func:`muon_polar`
+(momentum and Newton–Schulz, no parameter needed, so it can start before the
+gradient norm is known) and :func:`apply_polar` (scale, weight decay and step).
+Blocks of matrices split over devices come with an exchange (``_BlockExchange``: how
+to orthogonalise them, which shape scales them), built by :mod:`lwjax.parallel.exchange`:
+the math calls it and reads no mesh axis name.
 
 The numerics follow ``emerging_optimizers`` 0.3.0: the same step order, scale
 modes and QKV split. Options are static Python values in a :class:`MuonConfig`,
@@ -20,14 +23,15 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Sequence
-from typing import Literal
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
+from lwjax.muon_scale import SCALE_MODES, ScaleMode, _check_qkv_split, _row_scales, _scaled
+from lwjax.muon_scale import get_muon_scale_factor as get_muon_scale_factor
 from lwjax.newton_schulz import (
     COEFFICIENT_ALIASES,
     COEFFICIENT_TYPES,
@@ -41,109 +45,38 @@ from lwjax.newton_schulz import (
     newton_schulz,
 )
 
-ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
-SCALE_MODES: tuple[str, ...] = ("spectral", "unit_rms_norm", "shape_scaling")
 TensorParallelMode = Literal["duplicated", "distributed", "blockwise"]
 TP_MODES: tuple[str, ...] = ("duplicated", "distributed", "blockwise")
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSplit:
-    """How a stack ``[..., m, n]`` is split over tensor-parallel mesh axes (in ``shard_map``).
+class _BlockExchange(Protocol):
+    """What the math needs to know of a stack of blocks of split matrices (in ``shard_map``).
 
-    Each device holds a contiguous block of every matrix: the rows cut by the
-    ``rows`` mesh axes, the columns by the ``cols`` ones, the first axis of each
-    the major one; the whole matrix is the grid of every device's block.
-
-    Attributes:
-      rows: ``(axis name, size)`` of the mesh axes splitting the rows, major first.
-      cols: The same for the columns.
+    :class:`lwjax.parallel.exchange.SplitExchange` is the one the step uses; a
+    test may pass any object with these two methods.
     """
 
-    rows: tuple[tuple[str, int], ...] = ()
-    cols: tuple[tuple[str, int], ...] = ()
+    def orthogonalizer(self, ns: Callable) -> Callable[[jax.Array], jax.Array]:
+        """``ns`` (Newton–Schulz of whole matrices) made to map this device's blocks to
+        its blocks of the result."""
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every splitting mesh axis, rows' first: a device's linear index over them is its
-        block's position in the grid, row-major."""
-        return tuple(name for name, _ in (*self.rows, *self.cols))
-
-    def full(self, shape: tuple[int, int]) -> tuple[int, int]:
-        """The whole matrix's ``(m, n)`` from one block's."""
-        m, n = shape
-        return m * math.prod(s for _, s in self.rows), n * math.prod(s for _, s in self.cols)
+    def whole_shape(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """The ``(m, n)`` whose scale applies to a block of ``shape``; ``None``: its own."""
 
 
-def _spectral_scale(size_out: int, size_in: int) -> float:
-    """sqrt(max(m, n)); Jordan / Kimi, https://arxiv.org/abs/2502.16982."""
-    return math.sqrt(max(size_out, size_in))
-
-
-def _unit_rms_norm_scale(size_out: int, size_in: int) -> float:
-    """sqrt(m / n); Scion, https://arxiv.org/abs/2502.07529."""
-    return math.sqrt(size_out / size_in)
-
-
-def _shape_scaling_scale(size_out: int, size_in: int) -> float:
-    """sqrt(max(1, m / n)); Jordan, https://kellerjordan.github.io/posts/muon/."""
-    return math.sqrt(max(1.0, size_out / size_in))
-
-
-_SCALE_FNS = {
-    "spectral": _spectral_scale,
-    "unit_rms_norm": _unit_rms_norm_scale,
-    "shape_scaling": _shape_scaling_scale,
-}
-
-
-def get_muon_scale_factor(size_out: int, size_in: int, mode: ScaleMode = "spectral") -> float:
-    r"""Return the factor that multiplies an orthogonalised ``[size_out, size_in]`` update.
-
-    With :math:`m` = ``size_out`` (rows, output features) and :math:`n` = ``size_in``:
-
-    .. math::
-
-      s_{\text{spectral}} = \sqrt{\max(m, n)}, \quad
-      s_{\text{unit\_rms\_norm}} = \sqrt{m / n}, \quad
-      s_{\text{shape\_scaling}} = \sqrt{\max(1, m / n)}.
-
-    An orthogonal :math:`m \times n` matrix has RMS :math:`1/\sqrt{\max(m, n)}`, so
-    ``"spectral"`` gives updates of RMS about 1 before ``extra_scale_factor``.
-
-    Args:
-      size_out: Rows ``m``, a positive int.
-      size_in: Columns ``n``, a positive int.
-      mode: One of ``SCALE_MODES``.
-
-    Returns:
-      The scale as a Python float.
-    """
-    for name, size in (("size_out", size_out), ("size_in", size_in)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                f"get_muon_scale_factor: {name} must be a positive int; got {name}={size!r}."
-            )
-    _check_choice("get_muon_scale_factor: mode", mode, SCALE_MODES)
-    return _SCALE_FNS[mode](size_out, size_in)
-
-
-def _check_qkv_split(qkv_split_shapes: object, rows: int) -> tuple[int, ...]:
-    """Validate a QKV split against the row count and return it as a tuple."""
-    where = "orthogonalize: qkv_split_shapes"
-    if not isinstance(qkv_split_shapes, Sequence) or isinstance(qkv_split_shapes, str):
-        raise TypeError(
-            f"{where} must be a sequence of ints, but got {type(qkv_split_shapes).__name__}."
+def __getattr__(name: str):
+    """``TensorSplit``, moved to :mod:`lwjax.parallel.exchange` after 0.4.0, for one release."""
+    if name == "TensorSplit":
+        warnings.warn(
+            "lwjax.muon.TensorSplit moved to lwjax.parallel.exchange.TensorSplit after 0.4.0; "
+            "import it from there.",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    split = tuple(qkv_split_shapes)
-    if not split or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in split):
-        raise ValueError(f"{where} must be non-empty positive ints; got {qkv_split_shapes=}.")
-    if rows % sum(split):
-        raise ValueError(
-            f"{where}: the row count must be divisible by sum(qkv_split_shapes)={sum(split)}; "
-            f"got {rows=}. Pass qkv_split_shapes=None for non-QKV matrices."
-        )
-    return split
+        from lwjax.parallel import exchange
+
+        return exchange.TensorSplit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def orthogonalize(
@@ -204,15 +137,14 @@ def _polar(
     num_ns_steps,
     precision,
     qkv_split_shapes,
-    tensor: TensorSplit | None = None,
-    tp_mode: str = "duplicated",
+    exchange: _BlockExchange | None = None,
 ) -> jax.Array:
     """Newton–Schulz of the matrix, or of each QKV piece with its rows put back, unscaled.
 
     Kept in the iteration's storage dtype (bf16 under ``"medium"``): rounding it
-    there again loses nothing. With ``tensor``, ``update`` is this device's
-    block of each matrix (and of each QKV piece); ``tp_mode`` says how the
-    whole matrix is orthogonalised (:class:`MuonConfig`).
+    there again loses nothing. With ``exchange``, ``update`` is this device's
+    block of each matrix (and of each QKV piece), orthogonalised as the
+    exchange says.
     """
     ns = functools.partial(
         newton_schulz,
@@ -221,18 +153,8 @@ def _polar(
         precision=precision,
         dtype=_storage_dtype(update.dtype, precision),
     )
-    if tensor is not None and tp_mode == "distributed":
-        if tensor.rows and tensor.cols:
-            raise ValueError(
-                "tp_mode='distributed' needs each matrix split on one side; got a block of "
-                f"rows split over {tensor.rows} and columns over {tensor.cols}."
-            )
-        side = tensor.rows or tensor.cols
-        ns = functools.partial(
-            ns, sharded=(tuple(name for name, _ in side), -2 if tensor.rows else -1)
-        )
-    elif tensor is not None and tp_mode == "duplicated":
-        ns = functools.partial(_exchanged, ns, tensor)
+    if exchange is not None:
+        ns = exchange.orthogonalizer(ns)
     if qkv_split_shapes is None:
         return ns(update)
     *batch, m, n = update.shape
@@ -252,74 +174,6 @@ def _polar(
         for j, i in enumerate(same):
             done[i] = out[j].reshape(*batch, groups, rows, n)
     return jnp.concatenate(done, axis=-2).reshape(update.shape)
-
-
-def _exchanged(ns, tensor: TensorSplit, block: jax.Array) -> jax.Array:
-    """``ns`` of the whole matrices, each computed once; this device's block of each back.
-
-    The ``duplicated`` mode's update, without its duplicated work: matrix ``j``
-    of the stack (padded with zero matrices to a multiple of the ``t`` devices
-    the blocks are spread over) is assembled on device ``j // ceil(count / t)``
-    from every device's block (one ``all_to_all``), orthogonalised there whole,
-    and its blocks are sent back (another). Each device moves ``(t-1)/t`` of
-    its blocks each way, where an ``all_gather`` moves ``t-1`` times them, and
-    runs Newton–Schulz on ``1/t`` of the matrices (Megatron's proposed
-    ``layer_sharded`` mode does the same).
-    """
-    grid_rows = [size for _, size in tensor.rows]
-    grid_cols = [size for _, size in tensor.cols]
-    k, t = len(grid_rows), math.prod(grid_rows) * math.prod(grid_cols)
-    *lead, r, c = block.shape
-    count = math.prod(lead)
-    per = -(-count // t)
-    flat = block.reshape(count, r, c)
-    if per * t > count:
-        flat = jnp.concatenate([flat, jnp.zeros((per * t - count, r, c), flat.dtype)])
-    # received[s]: the block at grid position s (row-major) of the matrices this device assembles.
-    received = lax.all_to_all(flat.reshape(t, per, r, c), tensor.names, 0, 0)
-    grid = received.reshape(*grid_rows, *grid_cols, per, r, c)
-    n = grid.ndim - 3  # grid axes
-    to_whole = (n, *range(k), n + 1, *range(k, n), n + 2)  # [per, rows grid, r, cols grid, c]
-    whole = grid.transpose(to_whole).reshape(
-        per, r * math.prod(grid_rows), c * math.prod(grid_cols)
-    )
-    done = ns(whole).reshape(per, *grid_rows, r, *grid_cols, c)
-    blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
-    # back[g]: this device's block of the matrices device g assembled.
-    back = lax.all_to_all(blocks, tensor.names, 0, 0)
-    return back.reshape(t * per, r, c)[:count].reshape(block.shape)
-
-
-def _row_scales(
-    shape: tuple[int, int], scale_mode, qkv_split_shapes, full: tuple[int, int] | None = None
-) -> np.ndarray:
-    """Each row's :func:`get_muon_scale_factor` (its QKV piece's) as a float64 ``[m, 1]`` column.
-
-    ``[1, 1]`` when the matrix is not split. ``full``: ``shape`` is a block of
-    a matrix of this shape, which the scales are taken from (QKV pieces keep
-    their rows' share of it).
-    """
-    m, n = shape
-    full_m, full_n = full or shape
-    if qkv_split_shapes is None:
-        return np.full((1, 1), get_muon_scale_factor(full_m, full_n, scale_mode))
-    split = _check_qkv_split(qkv_split_shapes, m)
-    groups = m // sum(split)
-    full_groups = full_m * groups // m
-    group = np.concatenate(
-        [
-            np.full(rows, get_muon_scale_factor(full_groups * rows, full_n, scale_mode))
-            for rows in split
-        ]
-    )
-    return np.tile(group, groups)[:, None]
-
-
-def _scaled(
-    polar: jax.Array, row_scales: np.ndarray, extra_scale_factor: float, dtype
-) -> jax.Array:
-    r""":math:`O = Q s \gamma` in ``dtype``, as ``(Q * s) * gamma`` (XLA may fold the constants)."""
-    return polar.astype(dtype) * jnp.asarray(row_scales, dtype) * extra_scale_factor
 
 
 def _check_same_matrices(where: str, **arrays: jax.Array) -> None:
@@ -487,7 +341,7 @@ def muon_polar(
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
     skip: jax.Array | None = None,
-    tensor: TensorSplit | None = None,
+    exchange: _BlockExchange | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     r"""The first half of :func:`muon_update`, which needs no parameter: new momentum and :math:`Q`.
 
@@ -506,10 +360,10 @@ def muon_polar(
     comes before :math:`\mathrm{NS}` reads the momentum, so XLA can compute
     the new momentum and its norm in one pass.
 
-    ``tensor``: the arrays are this device's blocks of matrices split over a
-    tensor-parallel axis (inside ``shard_map``); :math:`Q` is the block of the
-    whole matrix's polar factor, or of the block's own under
-    ``config.tp_mode == "blockwise"``.
+    ``exchange``: the arrays are this device's blocks of matrices split over
+    devices (``_BlockExchange``); :math:`Q` is the block of the whole
+    matrix's polar factor, or of the block's own, as the exchange says
+    (``MuonConfig.tp_mode``).
 
     Returns:
       ``(polar, new_momentum)``.
@@ -530,8 +384,7 @@ def muon_polar(
         config.num_ns_steps,
         config.fp32_matmul_prec,
         split,
-        tensor,
-        config.tp_mode,
+        exchange,
     ), momentum
 
 
@@ -543,7 +396,7 @@ def apply_polar(
     weight_decay: float | jax.Array,
     config: MuonConfig,
     qkv_split_shapes: Sequence[int] | None = None,
-    tensor: TensorSplit | None = None,
+    exchange: _BlockExchange | None = None,
 ) -> jax.Array:
     r"""The second half of :func:`muon_update`: scale :func:`muon_polar`'s :math:`Q`, take the step.
 
@@ -554,9 +407,10 @@ def apply_polar(
     :math:`s` is :func:`get_muon_scale_factor` of the matrix, or of each row's
     QKV piece, and :math:`\gamma` is ``config.extra_scale_factor``; :math:`O`
     is formed in ``param``'s dtype (the fp32 masters'). Decay is skipped when
-    it is a literal zero, as Megatron does. With ``tensor`` (blocks of split
-    matrices), :math:`s` is the whole matrix's, except under
-    ``config.tp_mode == "blockwise"``.
+    it is a literal zero, as Megatron does. With ``exchange`` (blocks of split
+    matrices), :math:`s` is that of the shape it names
+    (``whole_shape``: the whole matrix's, except under
+    ``"blockwise"``).
 
     Returns:
       The new parameters, in ``param``'s dtype.
@@ -567,14 +421,13 @@ def apply_polar(
     _check_config("apply_polar", config)
     _check_same_matrices("apply_polar", param=param, polar=polar)
     split = qkv_split_shapes if config.split_qkv else None
-    whole = tensor is not None and config.tp_mode != "blockwise"
     direction = _scaled(
         polar,
         _row_scales(
             polar.shape[-2:],
             config.scale_mode,
             split,
-            tensor.full(polar.shape[-2:]) if whole else None,
+            None if exchange is None else exchange.whole_shape(polar.shape[-2:]),
         ),
         config.extra_scale_factor,
         param.dtype,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import numbers
 import types
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -228,7 +229,7 @@ def newton_schulz(
     eps: float = 1e-7,
     precision: Precision = "highest",
     dtype: jnp.dtype | None = None,
-    sharded: tuple[str, int] | None = None,
+    sharded: tuple[Callable[[jax.Array], jax.Array], int] | None = None,
 ) -> jax.Array:
     r"""Approximately orthogonalise each matrix of a stack by Newton–Schulz iteration.
 
@@ -269,14 +270,14 @@ def newton_schulz(
         with products and linear combinations accumulated in fp32.
       dtype: Output dtype, ``x``'s by default. The iterate is bf16 under ``"medium"``,
         so a bf16 output loses nothing there and takes half the bytes of fp32.
-      sharded: ``(axis_name, dim)``: ``x`` is this device's block of each
-        matrix, split along ``dim`` (-2 rows, -1 columns) over the mesh axis
-        ``axis_name`` (inside ``shard_map``), as Megatron's ``distributed``
-        tensor-parallel mode runs it. The iteration is oriented so that the
-        Gram matrix contracts the split axis (a row split is iterated
-        transposed, whatever the shape), and the squared Frobenius norm and
-        every Gram matrix are summed over the axis (in fp32): the result is
-        the block of the whole matrix's iterate, without gathering it.
+      sharded: ``(reduce, dim)``: ``x`` is one block of each matrix, split
+        along ``dim`` (-2 rows, -1 columns), and ``reduce`` sums an array over
+        the blocks (in ``shard_map``, a ``psum`` over the splitting mesh axes),
+        as Megatron's ``distributed`` tensor-parallel mode runs it. The
+        iteration is oriented so that the Gram matrix contracts the split axis
+        (a row split is iterated transposed, whatever the shape), and the
+        squared Frobenius norm and every Gram matrix are reduced (in fp32):
+        the result is the block of the whole matrix's iterate, never gathered.
 
     Returns:
       Array of ``x``'s shape, in ``dtype``.
@@ -294,24 +295,12 @@ def newton_schulz(
       Jordan et al., `Muon: An optimizer for hidden layers in neural networks
       <https://kellerjordan.github.io/posts/muon/>`_, 2024
     """
-    _check_matrix("newton_schulz", "x", x)
-    coefficient_type = COEFFICIENT_ALIASES.get(coefficient_type, coefficient_type)
-    _check_choice("newton_schulz: coefficient_type", coefficient_type, COEFFICIENT_TYPES)
-    _check_num_ns_steps("newton_schulz: num_ns_steps", num_ns_steps)
-    _check_choice("newton_schulz: precision", precision, PRECISIONS)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-        raise ValueError(f"newton_schulz: eps must be a positive number; got {eps=}.")
-
+    coefficient_type = _checked_options(x, coefficient_type, num_ns_steps, precision, eps)
     acc_dtype = jnp.promote_types(x.dtype, jnp.float32)
     store_dtype = _storage_dtype(x.dtype, precision)
-    tall = x.shape[-2] > x.shape[-1]
-    reduce = None
+    tall, reduce = x.shape[-2] > x.shape[-1], None
     if sharded is not None:
-        axis_name, dim = sharded
-        if dim not in (-2, -1):
-            raise ValueError(f"newton_schulz: sharded dim must be -2 or -1; got {sharded=}.")
-        tall = dim == -2
-        reduce = functools.partial(lax.psum, axis_name=axis_name)
+        reduce, tall = _split_of(sharded)
     options = dict(
         steps=_coefficient_schedule(coefficient_type, num_ns_steps),
         precision=_LAX_PRECISION[precision],
@@ -332,3 +321,29 @@ def newton_schulz(
     on_cuda = folded if coefficient_type in _FOLDED_TABLES else megatron_order
     y = lax.platform_dependent(x.astype(acc_dtype), default=megatron_order, cuda=on_cuda)
     return y.astype(x.dtype if dtype is None else dtype)
+
+
+def _checked_options(x, coefficient_type, num_ns_steps, precision, eps) -> str:
+    """Check :func:`newton_schulz`'s arguments; the coefficient table's lwjax name."""
+    _check_matrix("newton_schulz", "x", x)
+    coefficient_type = COEFFICIENT_ALIASES.get(coefficient_type, coefficient_type)
+    _check_choice("newton_schulz: coefficient_type", coefficient_type, COEFFICIENT_TYPES)
+    _check_num_ns_steps("newton_schulz: num_ns_steps", num_ns_steps)
+    _check_choice("newton_schulz: precision", precision, PRECISIONS)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"newton_schulz: eps must be a positive number; got {eps=}.")
+    return coefficient_type
+
+
+def _split_of(sharded) -> tuple[Callable, bool]:
+    """``newton_schulz(sharded=(reduce, dim))``'s reduce, and whether to iterate transposed."""
+    reduce, dim = sharded
+    if not callable(reduce):
+        raise TypeError(
+            "newton_schulz: sharded=(reduce, dim) takes a callable that sums over the blocks, "
+            f"no longer a mesh axis name (as 0.4.0 did); got {type(reduce).__name__}. Pass "
+            "functools.partial(jax.lax.psum, axis_name=...)."
+        )
+    if dim not in (-2, -1):
+        raise ValueError(f"newton_schulz: sharded dim must be -2 or -1; got {sharded=}.")
+    return reduce, dim == -2

@@ -32,18 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lwjax.bucket_update import Directions, bucket_views, clip, muon_directions, update_and_gather
 from lwjax.buffers import check_tree
 from lwjax.plan import StepPlan
 from lwjax.state import LayerwiseState, speculates
 from lwjax.step import (
     GradStats,
-    clip,
     device_ranks,
     finish,
     grad_statistics,
-    muon_directions,
     reduce_scatter,
-    update_and_gather,
     update_with_stats,
     with_schedules_checked,
 )
@@ -122,32 +120,32 @@ def speculative_update(
     """The step with every Muon direction started before the norm; returns
     :func:`lwjax.step.update`'s results and the step's :class:`GradStats`."""
     ranks = device_ranks(plan)
+    views = bucket_views(plan, ranks)
     # 1-2. Layer-wise buckets reduce-scattered first (nothing elementwise can start before the
     # norm), and each one's Muon directions computed from its unclipped shard as it arrives.
     order = [
         (s.buffer, s.bucket) for s in sorted(plan.schedule.steps, key=lambda s: not s.layer_wise)
     ]
     grad_shards = reduce_scatter(plan, grads, order, reduced=reduced)
-    directions = speculate(plan, state, grad_shards, ranks)
+    directions = speculate(plan, state, grad_shards, views)
     # 3. Norms, clip coefficients and the zero count.
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
-    checked = bool(plan.config.clip_grad and directions)
-    if checked:  # the speculation kept where it held, else each bucket's directions computed again
-        directions = keep_or_redo(plan, directions, state, grad_shards, ranks, stats)
+    if plan.config.clip_grad and directions.of:
+        # The speculation kept where it held, else each bucket's directions computed again.
+        directions = keep_or_redo(plan, directions, state, grad_shards, views, stats)
     # 4-5. Each owned shard updated with its directions, cast, and gathered; 6. unpacked (the
     # last two with gather).
-    new = update_and_gather(
-        plan, state, grad_shards, ranks, stats, directions, momentum_final=checked, gather=gather
-    )
+    new = update_and_gather(plan, views, state, grad_shards, stats, directions, gather=gather)
     return *finish(plan, state, params, new, stats), stats
 
 
-def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, ranks) -> dict:
+def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, views) -> Directions:
     """Every layer-wise bucket's Muon directions in update order, each as soon as its shard is in.
 
     The chain of barriers keeps XLA from running them in another order; the
     reduce-scatters of later buckets run meanwhile. The gradients are taken
-    unclipped, which is exact only where the clip coefficients are all 1.
+    unclipped, which is exact only where the clip coefficients are all 1, and
+    without the finite check (their momenta are not final).
     """
     directions, previous = {}, ()
     for s in plan.schedule.steps:
@@ -157,13 +155,18 @@ def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, ranks) -> dict
         (moment, grad), _ = lax.optimization_barrier(
             ((state.momenta[i][k], grad_shards[i][k]), previous)
         )
-        directions[i, k] = previous = muon_directions(plan, i, k, moment, grad, ranks[i])
-    return directions
+        directions[i, k] = previous = muon_directions(plan, views[i][k], moment, grad)
+    return Directions(directions, final=False)
 
 
 def keep_or_redo(
-    plan: StepPlan, directions: dict, state: LayerwiseState, grad_shards, ranks, stats: GradStats
-) -> dict:
+    plan: StepPlan,
+    directions: Directions,
+    state: LayerwiseState,
+    grad_shards,
+    views,
+    stats: GradStats,
+) -> Directions:
     """The speculative directions where they hold, else each bucket's directions computed again.
 
     They hold if no Muon matrix's clip coefficient is below 1 and the
@@ -182,13 +185,13 @@ def keep_or_redo(
     """
     redo = muon_clipped(plan, stats) | jnp.logical_not(stats.finite)
     out = {}
-    for (i, k), speculative in directions.items():
+    for (i, k), speculative in directions.of.items():
 
         def recompute(_, i=i, k=k):
             grad = clip(grad_shards[i][k], stats.groups[i][k], stats.coefs)
             return False, muon_directions(
-                plan, i, k, state.momenta[i][k], grad, ranks[i], stats.finite
+                plan, views[i][k], state.momenta[i][k], grad, stats.finite
             )
 
         _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (redo, speculative))
-    return out
+    return Directions(out, final=True)

@@ -28,9 +28,9 @@ With a tensor-parallel axis every device holds its blocks of the split
 leaves and runs all of this on them (the same plan on every such device):
 phase 3 sums over that axis too, counting leaves held whole on its first
 device only, and phase 4 orthogonalises split matrices as
-``MuonConfig.tp_mode`` says (:func:`tensor_split`).
+``MuonConfig.tp_mode`` says (:mod:`lwjax.parallel.exchange`).
 
-Phases 4 and 5 run bucket by bucket in the order of the plan's
+Phases 4 and 5 (:mod:`lwjax.bucket_update`) run bucket by bucket in the order of the plan's
 :class:`~lwjax.schedule.BucketSchedule`, which pairs each gather with a later
 bucket's update so that it hides behind Newton–Schulz. The speculative variant,
 :func:`lwjax.pipelined.update_pipelined`, starts Newton–Schulz before the norm is known.
@@ -44,7 +44,9 @@ sum), so its sum over ``dp`` is the gradient of the global mean loss too.
 
 from __future__ import annotations
 
+import importlib
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -52,15 +54,45 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lwjax import muon as muon_lib
 from lwjax import shards
+from lwjax.bucket_update import (
+    bucket_views,
+    gather_shard,
+    update_and_gather,
+    weight_decay_at,
+)
 from lwjax.buffers import check_tree, pack, unpack
+from lwjax.parallel.counted import count_once, counted_masks
 from lwjax.plan import StepPlan
 from lwjax.state import LayerwiseState as LayerwiseState
 from lwjax.state import initial_speculation as initial_speculation
 from lwjax.state import speculates as speculates
 
 CLIP_EPS = 1e-6
+
+# Phase 4's helpers and the tensor-parallel decisions, moved after 0.4.0: name -> new module.
+_MOVED = {
+    "apply_muon": "lwjax.bucket_update",
+    "clip": "lwjax.bucket_update",
+    "muon_directions": "lwjax.bucket_update",
+    "update_bucket": "lwjax.bucket_update",
+    "update_elementwise": "lwjax.bucket_update",
+    "counted_elements": "lwjax.parallel.counted",
+    "first_device": "lwjax.parallel.counted",
+    "tensor_split": "lwjax.parallel.exchange",
+}
+
+
+def __getattr__(name: str):
+    """A name in ``_MOVED``, from its new module, for one release."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"lwjax.step.{name} moved to {_MOVED[name]}.{name} after 0.4.0; import it from there.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)
 
 
 class GradStats(NamedTuple):
@@ -135,7 +167,8 @@ def update_with_stats(
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered (with
     # gather), in order.
-    new = update_and_gather(plan, state, grad_shards, ranks, stats, gather=gather)
+    views = bucket_views(plan, ranks)
+    new = update_and_gather(plan, views, state, grad_shards, stats, gather=gather)
     # 6. The gathered buckets unpacked into parameters (with gather).
     return *finish(plan, state, params, new, stats), stats
 
@@ -229,10 +262,10 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     ]
     num_groups = len(plan.norm_groups)
     dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
-    counted = _counted(plan, ranks)
+    counted = counted_masks(plan, ranks)
     # Elements counted elsewhere are zeros here: they add nothing to a sum or a maximum.
     grad_shards = [
-        [x if c is True else jnp.where(c, x, 0) for x, c in zip(buckets, kept)]
+        [count_once(x, c) for x, c in zip(buckets, kept)]
         for buckets, kept in zip(grad_shards, counted)
     ]
 
@@ -273,39 +306,6 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     return GradStats(norms, _clip_coefficients(norms, plan.config.clip_grad), zeros, finite, groups)
 
 
-def _counted(plan: StepPlan, ranks) -> list[list]:
-    """Per buffer and bucket, which of this device's shard elements the statistics count:
-    ``True`` (all), or a mask that drops, on every tensor-parallel device but the first, the
-    leaves that every such device holds whole (each is counted once, as Megatron does)."""
-    return [
-        [counted_elements(plan, i, k, rank) for k in range(buffer.num_buckets)]
-        for i, (buffer, rank) in enumerate(zip(plan.buffers, ranks))
-    ]
-
-
-def counted_elements(plan: StepPlan, i: int, k: int, rank):
-    """Which elements of this device's shard of bucket ``k`` of buffer ``i`` statistics count
-    (:func:`_counted`): ``True`` for all, else a boolean scalar or vector."""
-    wholes = [r.tensor_whole for r in plan.routes]
-    counted = True
-    for kind in sorted(set(wholes) - {()}):
-        member = shards.per_element(plan.buffers[i], k, rank, [w == kind for w in wholes], np.bool_)
-        if member is False:
-            continue
-        keep = first_device(plan, kind) | jnp.logical_not(member)
-        counted = keep if counted is True else counted & keep
-    return counted
-
-
-def first_device(plan: StepPlan, axes: tuple[int, ...]) -> jax.Array:
-    """Whether this device is the first along each of the tensor-parallel mesh axes ``axes``
-    (positions in ``plan.axes.tp``)."""
-    first = jnp.asarray(True)
-    for a in axes:
-        first = first & (lax.axis_index(plan.axes.tp[a]) == 0)
-    return first
-
-
 def with_schedules_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -> GradStats:
     r"""``stats`` with the step also skipped where a schedule gives an unusable value.
 
@@ -324,93 +324,11 @@ def with_schedules_checked(plan: StepPlan, stats: GradStats, count: jax.Array) -
     return stats._replace(finite=stats.finite & usable)
 
 
-def weight_decay_at(plan: StepPlan, count: jax.Array) -> float | jax.Array:
-    r"""The step's weight decay :math:`\lambda`: ``OptimizerConfig.weight_decay`` at ``count``.
-
-    A float stays a Python float, a constant of the compiled step; it is
-    already in ``plan.decay_of``. A schedule's value is traced, and ``decay_of``
-    then holds the per-leaf multipliers it scales.
-    """
-    decay = plan.config.weight_decay
-    return decay(count) if callable(decay) else decay
-
-
 def _clip_coefficients(norms: jax.Array, clip_grad: float | None) -> jax.Array:
     r"""Per group :math:`c_k = \min(1, \text{clip} / (\lVert g_k \rVert + 10^{-6}))`, or ones."""
     if not clip_grad:
         return jnp.ones_like(norms)
     return jnp.minimum(1.0, clip_grad / (norms + CLIP_EPS)).astype(norms.dtype)
-
-
-def clip(grad_shard: jax.Array, group, coefs: jax.Array) -> jax.Array:
-    """A gradient shard scaled by its elements' norm-group clip coefficients."""
-    return grad_shard * coefs[group]
-
-
-def update_and_gather(
-    plan: StepPlan,
-    state: LayerwiseState,
-    grad_shards,
-    ranks,
-    stats: GradStats,
-    directions=None,
-    momentum_final: bool = True,
-    gather: bool = True,
-):
-    """Phases 4–5, bucket by bucket in the schedule's order: new masters, moments, gathered buckets.
-
-    One optimization barrier per bucket pins the order and makes the gathers
-    due by then land first, so each gather runs during the later update the
-    schedule chose for it rather than after the last one. ``directions`` maps
-    ``(buffer, bucket)`` to Muon directions computed earlier (by
-    :func:`lwjax.pipelined.update_pipelined`), whose momentum is final after
-    the finite check if ``momentum_final``. Returns ``(masters, moments,
-    gathered, delta_sq)``, the last the sum of squared master changes;
-    ``gathered`` is ``None`` without ``gather`` (phase 4 alone).
-    """
-    rates = (
-        plan.learning_rate(state.count),
-        plan.adam_learning_rate(state.count),
-        weight_decay_at(plan, state.count),
-    )
-    masters = [list(b) for b in state.masters]
-    moments = [
-        list(m if b.key.is_layer_wise else e)
-        for b, m, e in zip(plan.buffers, state.momenta, state.elementwise)
-    ]
-    gathered = [[None] * b.num_buckets for b in plan.buffers]
-    delta_sq, previous = jnp.zeros([], plan.master_dtype), ()
-    steps = plan.schedule.steps
-    for t, step in enumerate(steps):
-        i, k = step.buffer, step.bucket
-        due = [(steps[j].buffer, steps[j].bucket) for j in plan.schedule.lands_before(t)]
-        due = due if gather else []
-        own = (directions or {}).get((i, k))
-        # The bucket waits for the previous update; the gathers due by now land first.
-        inputs = (masters[i][k], moments[i][k], grad_shards[i][k], own)
-        (master, moment, grad, own), _, arrived = lax.optimization_barrier(
-            (inputs, previous, [gathered[a][b] for a, b in due])
-        )
-        for (a, b), x in zip(due, arrived):
-            gathered[a][b] = x
-        masters[i][k], moments[i][k], d = update_bucket(
-            plan, i, k, master, moment, grad, own, ranks[i], stats, rates, momentum_final
-        )
-        delta_sq += d
-        previous = masters[i][k]
-        if gather:
-            previous = previous.astype(plan.buffers[i].key.param_dtype)
-            gathered[i][k] = gather_shard(plan, i, previous, ranks[i])
-    return masters, moments, gathered if gather else None, delta_sq
-
-
-def gather_shard(plan: StepPlan, i: int, shard: jax.Array, rank) -> jax.Array:
-    """Phase 5 of one bucket of buffer ``i``: every device's shard of it (already cast to
-    the parameter dtype) on every device."""
-    buffer = plan.buffers[i]
-    return shards.gather_bucket(
-        shard, plan.axes.of(buffer.key), rank, buffer.dp, plan.config.param_sync
-    )
 
 
 def local_params(plan: StepPlan, state: LayerwiseState):
@@ -429,147 +347,6 @@ def local_params(plan: StepPlan, state: LayerwiseState):
         for i, (b, masters) in enumerate(zip(plan.buffers, state.masters))
     ]
     return unpack(plan, gathered)
-
-
-def update_bucket(
-    plan: StepPlan, i, k, master, moment, grad, directions, rank, stats, rates, momentum_final
-):
-    """Phase 4 of bucket ``k`` of buffer ``i``: clip, then Muon or the elementwise update.
-
-    ``moment`` is the Muon momentum of a layer-wise bucket, else the
-    elementwise optax state; ``rates`` the Muon and elementwise learning rates
-    and the weight decay (:func:`weight_decay_at`).
-    Directions computed earlier (``directions``) were taken from gradients
-    that needed no clip; others are computed here, after the finite check.
-    """
-    if plan.config.clip_grad and directions is None:
-        grad = clip(grad, stats.groups[i][k], stats.coefs)
-    muon_lr, adam_lr, wd = rates
-    if not plan.buffers[i].key.is_layer_wise:
-        return update_elementwise(plan, i, k, master, moment, grad, rank, stats.finite, adam_lr, wd)
-    if directions is None:  # after the finite check: a skipped step's momentum is the old one
-        directions = muon_directions(plan, i, k, moment, grad, rank, stats.finite)
-        momentum_final = True
-    return apply_muon(
-        plan, i, k, master, moment, directions, rank, stats.finite, muon_lr, wd, momentum_final
-    )
-
-
-def muon_directions(plan: StepPlan, i: int, k: int, momentum, grad, rank, finite=None) -> list:
-    """Phase 4a of a layer-wise bucket: :func:`~lwjax.muon.muon_polar` of each slot group.
-
-    Reads this rank's matrices with one slice or gather per slot group; needs
-    no master weights, so it can run as soon as the bucket's gradient shard
-    has arrived. Given the step's ``finite`` check, a skipped step's momentum
-    comes back unchanged (final: :func:`apply_muon` need not select it).
-    """
-    groups, scratch = shards.slot_groups(plan.buffers[i], k)
-    momentum, grad = shards.with_scratch(momentum, scratch), shards.with_scratch(grad, scratch)
-    skip = None if finite is None else jnp.logical_not(finite)
-    out = []
-    for group in groups:
-        offsets = shards.rank_row(group.offsets, rank)
-        out.append(
-            muon_lib.muon_polar(
-                shards.take(grad, offsets, group.shape, plan.transpose),
-                shards.take(momentum, offsets, group.shape, plan.transpose),
-                config=plan.muon,
-                qkv_split_shapes=group.qkv_split_shapes,
-                skip=skip,
-                tensor=tensor_split(plan, group),
-            )
-        )
-    return out
-
-
-def tensor_split(plan: StepPlan, group) -> muon_lib.TensorSplit | None:
-    """How a slot group's matrices, as :func:`~lwjax.shards.take` reads them, are split over
-    the tensor-parallel axes; ``None`` when they are whole on each device."""
-    if group.tensor_split == ((), ()):
-        return None
-    rows, cols = (
-        tuple((plan.axes.tp[a], plan.axes.tp_sizes[a]) for a in side) for side in group.tensor_split
-    )
-    return muon_lib.TensorSplit(cols, rows) if plan.transpose else muon_lib.TensorSplit(rows, cols)
-
-
-def apply_muon(
-    plan: StepPlan, i, k, master, momentum, directions, rank, finite, lr, wd, momentum_final=True
-):
-    """Phase 4b of a layer-wise bucket: :func:`~lwjax.muon.apply_polar` of each slot group.
-
-    Group ``j`` steps with learning rate ``lr * lr_mult_j`` and weight decay
-    ``wd * wd_mult_j`` (``wd`` from :func:`weight_decay_at`); matrices are
-    written back in place. Returns the new master and momentum shards (the
-    old ones where ``finite`` is false; ``momentum_final``: the directions'
-    momentum already is) and the sum of squared master changes.
-    """
-    buffer = plan.buffers[i]
-    groups, scratch = shards.slot_groups(buffer, k)
-    master, momentum = shards.with_scratch(master, scratch), shards.with_scratch(momentum, scratch)
-    delta_sq = jnp.zeros([], master.dtype)
-    for group, (polar, new_m) in zip(groups, directions):
-        offsets = shards.rank_row(group.offsets, rank)
-        old_p = shards.take(master, offsets, group.shape, plan.transpose)
-        new_p = muon_lib.apply_polar(
-            old_p,
-            polar,
-            learning_rate=lr * group.lr_mult if group.lr_mult != 1 else lr,
-            weight_decay=wd * group.wd_mult,
-            config=plan.muon,
-            qkv_split_shapes=group.qkv_split_shapes,
-            tensor=tensor_split(plan, group),
-        )
-        new_p = jnp.where(finite, new_p, old_p)
-        if not momentum_final:
-            new_m = jnp.where(
-                finite, new_m, shards.take(momentum, offsets, group.shape, plan.transpose)
-            )
-        change = jnp.sum(jnp.square(new_p - old_p))
-        if group.tensor_whole:  # the same matrices on every device of those axes
-            change = jnp.where(first_device(plan, group.tensor_whole), change, 0)
-        delta_sq += change
-        if plan.transpose:
-            new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
-        master, momentum = shards.put(master, offsets, new_p), shards.put(momentum, offsets, new_m)
-    size = buffer.shard_sizes[k]
-    return master[:size], momentum[:size], delta_sq
-
-
-def update_elementwise(
-    plan: StepPlan, i: int, k: int, master, tx_state, grad, rank, finite, lr, wd
-):
-    r"""Phase 4 of an elementwise bucket: the elementwise transform plus decoupled weight decay.
-
-    .. math:: p \leftarrow p - \eta\, m_\eta (u + \lambda m_\lambda p), \qquad u = \text{tx}(g)
-
-    ``m_η`` and ``λ m_λ`` (zero on 1-D parameters) are per element
-    (:func:`~lwjax.shards.per_element`); a scheduled weight decay ``wd``
-    (:func:`weight_decay_at`) multiplies ``m_λ`` here, a float one is already
-    in ``plan.decay_of``. Returns the new master and optax state (the old ones
-    where ``finite`` is false) and the sum of squared master changes.
-    """
-    buffer = plan.buffers[i]
-    lr_mult = shards.per_element(buffer, k, rank, plan.lr_mult_of)
-    decay = shards.per_element(buffer, k, rank, plan.decay_of)
-    if callable(plan.config.weight_decay) and not _is_zero(decay):
-        decay = decay * wd
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    direction, new_tx_state = plan.elementwise.update(grad, tx_state, master)
-    step = lr * lr_mult if not (isinstance(lr_mult, (int, float)) and lr_mult == 1) else lr
-    new_master = keep(master - step * (direction + decay * master), master)
-    change = jnp.square(new_master - master)
-    counted = counted_elements(plan, i, k, rank)
-    return (
-        new_master,
-        jax.tree.map(keep, new_tx_state, tx_state),
-        jnp.sum(change if counted is True else jnp.where(counted, change, 0)),
-    )
-
-
-def _is_zero(value) -> bool:
-    """A Python number equal to 0 (a traced or per-element value never is)."""
-    return isinstance(value, (int, float)) and value == 0
 
 
 def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats):

@@ -914,3 +914,99 @@ def test_optax_coefficient_names_are_aliases_of_the_same_tables(optax_name, ours
         polar = ns_lib.newton_schulz(g, coefficient_type=name, precision="highest")
         cosine = jnp.sum(update * polar) / (jnp.linalg.norm(update) * jnp.linalg.norm(polar))
         assert float(cosine) > 1 - 1e-5, (name, float(cosine))
+
+
+# --- blocks of split matrices, without a mesh ---------------------------------------------------
+
+
+def _sum_over_blocks(x):
+    """A ``psum`` without a mesh: the blocks of each matrix lie on the last batch axis
+    (``[..., blocks, m, n]``); each becomes their sum."""
+    return jnp.broadcast_to(jnp.sum(x, axis=-3, keepdims=True), x.shape)
+
+
+def _blocks(x, count, dim):
+    """``[..., m, n]`` cut along ``dim`` into ``[..., count, m', n']``."""
+    return jnp.stack(jnp.split(x, count, axis=dim), axis=-3)
+
+
+def _joined(blocks, dim):
+    """The inverse of :func:`_blocks`."""
+    return jnp.concatenate([blocks[..., j, :, :] for j in range(blocks.shape[-3])], axis=dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StackedBlocks:
+    """A ``lwjax.muon._BlockExchange`` without a mesh: ``count`` blocks of each matrix,
+    split along ``dim``, on the last batch axis; Newton–Schulz iterates on them, its sums reduced
+    over the blocks (the ``distributed`` mode's arithmetic)."""
+
+    count: int
+    dim: int
+
+    def orthogonalizer(self, ns):
+        return functools.partial(ns, sharded=(_sum_over_blocks, self.dim))
+
+    def whole_shape(self, shape):
+        m, n = shape
+        return (m * self.count, n) if self.dim == -2 else (m, n * self.count)
+
+
+_QUINTIC_5 = [c for c in _NS_CASES if c["coefficient_type"] == "quintic" and c["steps"] == 5]
+
+
+@pytest.mark.parametrize("dim", [-2, -1], ids=["rows", "cols"])
+@pytest.mark.parametrize("case", _QUINTIC_5, ids=[c["id"] for c in _QUINTIC_5])
+def test_newton_schulz_on_blocks_with_a_plain_reduce_matches_fp64_reference(case, dim):
+    with jax.enable_x64(True):
+        x = jnp.asarray(_INPUTS[case["input"]].astype(np.float64))
+        out = newton_schulz(
+            _blocks(x, 2, dim),
+            case["coefficient_type"],
+            case["steps"],
+            eps=case["eps"],
+            precision="highest",
+            sharded=(_sum_over_blocks, dim),
+        )
+        out = np.asarray(_joined(out, dim))
+    np.testing.assert_allclose(out, np.asarray(case["output_fp64_reference"]), rtol=0, atol=1e-12)
+
+
+def test_newton_schulz_sharded_takes_a_reduce_not_an_axis_name():
+    with pytest.raises(TypeError, match=r"sharded=\(reduce, dim\) takes a callable"):
+        newton_schulz(_X, sharded=("tp", -1))
+
+
+@pytest.mark.parametrize("dim, split", [(-1, (4, 2, 2)), (-2, None)], ids=["cols_qkv", "rows"])
+def test_muon_halves_on_blocks_equal_muon_update_of_the_whole_in_float64(dim, split):
+    config = MuonConfig(
+        nesterov=True,
+        scale_mode="unit_rms_norm",
+        extra_scale_factor=0.3,
+        fp32_matmul_prec="highest",
+    )
+    exchange = _StackedBlocks(2, dim)
+    with jax.enable_x64(True):
+        p, g, m = (jnp.asarray(_rng_matrix(seed, 3, 16, 12), jnp.float64) for seed in (31, 32, 33))
+        want_p, want_m = muon_update(
+            p, g, m, learning_rate=0.1, weight_decay=0.05, config=config, qkv_split_shapes=split
+        )
+        polar, got_m = muon_polar(
+            _blocks(g, 2, dim),
+            _blocks(m, 2, dim),
+            config=config,
+            qkv_split_shapes=split,
+            exchange=exchange,
+        )
+        got_p = apply_polar(
+            _blocks(p, 2, dim),
+            polar,
+            learning_rate=0.1,
+            weight_decay=0.05,
+            config=config,
+            qkv_split_shapes=split,
+            exchange=exchange,
+        )
+        got_p, got_m = np.asarray(_joined(got_p, dim)), np.asarray(_joined(got_m, dim))
+    np.testing.assert_allclose(got_m, np.asarray(want_m), rtol=0, atol=1e-15)
+    np.testing.assert_allclose(got_p, np.asarray(want_p), rtol=0, atol=1e-12)
