@@ -15,6 +15,15 @@ import sys
 
 from lwjax.tools.bench.workloads import workload_config
 
+# docs/scripts/megatron_train_bench.py's contenders, as the records name them.
+MEGATRON_CONTENDERS = {
+    "muon": "Megatron-Core Muon (layer-wise)",
+    "muon_overlap": "Megatron-Core Muon (layer-wise), overlapped",
+    "adam": "Megatron-Core Adam (distributed)",
+    "adam_overlap": "Megatron-Core Adam (distributed), overlapped",
+    "fwd_bwd": "Megatron-Core forward+backward",
+}
+
 
 def run_torch_script(script: str, nproc: int, args: list[str], timeout: int) -> dict:
     """Run ``script`` under torchrun on ``nproc`` processes and return the JSON object of the
@@ -84,16 +93,6 @@ def megatron_optimizer_step(cfg, dp: int) -> dict:
         breakdown_ms=result["step_breakdown_ms_median_per_rank"],
         versions=result["versions"],
     )
-
-
-# docs/scripts/megatron_train_bench.py's contenders, as the records name them.
-MEGATRON_CONTENDERS = {
-    "muon": "Megatron-Core Muon (layer-wise)",
-    "muon_overlap": "Megatron-Core Muon (layer-wise), overlapped",
-    "adam": "Megatron-Core Adam (distributed)",
-    "adam_overlap": "Megatron-Core Adam (distributed), overlapped",
-    "fwd_bwd": "Megatron-Core forward+backward",
-}
 
 
 def megatron_train_records(cfg, dp: int, tokens: int) -> list[dict]:
