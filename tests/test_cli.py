@@ -306,7 +306,7 @@ class _Config(Exception):
 )
 @pytest.mark.parametrize(
     "runner",
-    ["lwjax.tools.bench.run_bench", "lwjax.tools.train_bench.run_train_bench"],
+    ["lwjax.tools.bench.run_bench", "lwjax.tools.bench.run_train_bench"],
     ids=["optimizer_step", "train_step"],
 )
 def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, argv, warmup):
@@ -413,6 +413,7 @@ def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the
     import numpy as np
     from jax.sharding import Mesh
 
+    from lwjax.megatron.gpt import keys_from_tree
     from lwjax.tools import bench
 
     argv = ["bench", "--workload", "small", "--layers", "1", "--dp", "2", "--tp", "2"]
@@ -429,11 +430,11 @@ def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the
     config = bench.workload_config("small", 1)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
     traced = bench.BenchConfig(iters=1, warmup=1, profile_dir=str(tmp_path))
-    tp1_bytes = bench._bench_lwjax(traced, config, mesh)[2]
+    tp1_bytes = bench.time_lwjax(traced, config, mesh)[2]
     # fp32 master and momentum per Muon element (the stacked matrices), master and two Adam
     # moments per other element; a split leaf's share halves.
     shapes = config.param_shapes()
-    specs = bench.keys_from_tree(config.tensor_specs())
+    specs = keys_from_tree(config.tensor_specs())
     per_element = {k: (8 if len(s) == 3 else 12) * int(np.prod(s)) for k, s in shapes.items()}
     split = sum(v for k, v in per_element.items() if len(specs[k]))
     assert 0 < split < sum(per_element.values())  # the norms stay whole
@@ -454,8 +455,8 @@ def test_bench_builds_the_pipelined_optimizer_it_reports():
     config = bench.workload_config("small", 1)
     shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
-    params = bench._params(shapes, mesh, jax.numpy.float32)
-    grads = bench._local_grads(shapes, mesh, jax.numpy.float32, 2e-5)
+    params = bench.constant_params(shapes, mesh, jax.numpy.float32)
+    grads = bench.local_grads(shapes, mesh, jax.numpy.float32, 2e-5)
     for pipelined in (False, True):
         opt = bench.workload_optimizer(
             params,
@@ -517,7 +518,7 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
     config = bench.workload_config("small", 1)
     shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
-    params = bench._params(shapes, mesh, jax.numpy.float32)
+    params = bench.constant_params(shapes, mesh, jax.numpy.float32)
     opt = bench.workload_optimizer(
         params,
         mesh,
@@ -527,7 +528,7 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
         policy="ns_cost",
         bucket_size="auto",
     )
-    floor = bench._floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
+    floor = bench.optimizer_step_floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
     # Off CUDA Newton-Schulz runs full products: the FLOPs it computes are Megatron's.
     assert bench.symmetric_share(mesh.devices.flat[0], "medium") is None
     assert floor["ns_gflop_computed_max_rank"] == floor["ns_gflop_max_rank"] > 0
@@ -562,7 +563,7 @@ def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
     config = bench.workload_config("small", 1)
     shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
-    params = bench._params(shapes, mesh, jax.numpy.float32)
+    params = bench.constant_params(shapes, mesh, jax.numpy.float32)
     opt = bench.workload_optimizer(
         params,
         mesh,
@@ -575,7 +576,9 @@ def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
     assert (
         bench.symmetric_share(mesh.devices.flat[0], precision) is gram.computed_share
     ) is counted
-    floor = bench._floor(bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh)
+    floor = bench.optimizer_step_floor(
+        bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh
+    )
     assert (floor["ns_gflop_computed_max_rank"] < floor["ns_gflop_max_rank"]) is counted
     assert floor["floor_sum_computed_ms"] == pytest.approx(
         floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"]

@@ -77,7 +77,7 @@ def test_each_tp_mode_matches_megatron(mode, dp):
     opt = lwjax.layerwise_muon(
         params,
         mesh,
-        tensor_axis="tp",
+        param_axes="tp",
         learning_rate=options["lr"],
         muon=MuonConfig(
             momentum=options["muon_momentum"],

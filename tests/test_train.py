@@ -31,7 +31,7 @@ def _workload(pipeline_muon=False):
     config = bench.workload_config("small", 2)
     shapes = bench.workload_shapes(config)
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
-    params = bench._params(shapes, mesh, jnp.bfloat16)
+    params = bench.constant_params(shapes, mesh, jnp.bfloat16)
     opt = bench.workload_optimizer(
         params,
         mesh,
@@ -42,7 +42,7 @@ def _workload(pipeline_muon=False):
         bucket_size="auto",
         pipeline_muon=pipeline_muon,
     )
-    return mesh, params, opt, bench._local_grads(shapes, mesh, jnp.bfloat16, 1e-2)
+    return mesh, params, opt, bench.local_grads(shapes, mesh, jnp.bfloat16, 1e-2)
 
 
 def test_donated_state_is_aliased_to_its_own_outputs_when_the_parameters_are_not_read():

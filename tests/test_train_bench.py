@@ -21,8 +21,8 @@ from lwjax.megatron.gpt import tree_from_keys
 from lwjax.megatron.model import init_params, unstack_layers
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon, named_shardings
-from lwjax.tools import train_bench as tb
-from lwjax.tools.bench import PGLE_RUNS, workload_config
+from lwjax.tools import bench as tb
+from lwjax.tools.bench import PGLE_RUNS, train_contenders, workload_config
 from lwjax.tools.cli import main
 from lwjax.tools.demo.devices import bytes_per_device
 
@@ -361,7 +361,7 @@ def test_fsdp_forward_backward_with_remat_takes_the_full_batch_loss_and_gradient
 def test_fsdp_init_params_are_init_params_split():
     config = CFG.model()
     mesh, specs = fsdp_mesh(4), tb.fsdp_specs(config, 4)
-    got = tb._fsdp_params(config, jax.random.key(3), "float32", mesh, specs)
+    got = tb.fsdp_params(config, jax.random.key(3), "float32", mesh, specs)
     want = init_params(config, jax.random.key(3), "float32")
     for (path, a), b, spec in zip(
         jax.tree_util.tree_flatten_with_path(got)[0],
@@ -460,7 +460,7 @@ def test_newton_schulz_floor_counts_every_muon_matrix_once_on_its_owner():
 
     mesh = mesh_of(2)
     config = dataclasses.replace(CFG, layers=2, ns_precision="medium")
-    params = tb._replicated(tb._init_params(config, jax.random.key(0), "float32"), mesh)
+    params = tb.replicated(init_params(config.model(), jax.random.key(0), "float32"), mesh)
     plan = tb.lwjax_optimizer(params, mesh, config).plan
     muon = [r for r in plan.routes if r.is_muon]
     assert muon, "the small workload has Muon matrices"
@@ -572,9 +572,9 @@ def _run_recorded(cfg, monkeypatch):
         return opt._replace(local_update=update)
 
     with monkeypatch.context() as patch:
-        patch.setattr(tb, "lwjax_optimizer", optimizer)
+        patch.setattr(train_contenders, "lwjax_optimizer", optimizer)
         for name in ("lwjax_step", "optax_step", "forward_backward_step"):
-            patch.setattr(tb, name, recorded(getattr(tb, name)))
+            patch.setattr(train_contenders, name, recorded(getattr(train_contenders, name)))
         records = tb.run_train_bench(cfg)
     return records, calls, speculates
 

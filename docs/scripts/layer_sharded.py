@@ -6,7 +6,7 @@ Device ``d`` of ``n`` owns layers ``d, d + n, ...`` whole: each stacked leaf is 
 device) before running it; the transpose reduce-scatters the group's gradients inside the
 backward scan. The embedding, output layer and final norm are split on their last axis and
 gathered once (``--vocab``: the embedding and output layer split on the vocabulary instead,
-so only tokens and activations move). ``layerwise_muon(..., tensor_axis="fsdp")`` with two
+so only tokens and activations move). ``layerwise_muon(..., param_axes="fsdp")`` with two
 stacked axes then finds every matrix whole on its owner: Newton–Schulz runs there, with no
 all-to-all and no gather of the model.
 
@@ -164,7 +164,7 @@ def optimizer(params, muon: bool):
     return layerwise_muon(
         params,
         mesh,
-        tensor_axis=tb.FSDP_AXIS,
+        param_axes=tb.FSDP_AXIS,
         learning_rate=cfg.learning_rate,
         muon=MuonConfig(fp32_matmul_prec=cfg.ns_precision),
         config=OptimizerConfig(

@@ -2,7 +2,7 @@
 """Time Megatron-Core's full training step: layer-wise distributed Muon against Adam.
 
 Target: megatron-core 0.19.2 + emerging_optimizers 0.3.0 at TP 1, PP 1, data parallel over
-all ranks, on the model shapes of lwjax's training-step benchmark (lwjax/tools/train_bench.py:
+all ranks, on the model shapes of lwjax's training-step benchmark (lwjax/tools/bench/train_bench.py:
 the GPT of megatron_bench.py's PRESETS, random tokens reused every step, micro_batch
 sequences of seq_len tokens per rank, different on every rank).
 

@@ -2,7 +2,7 @@
 
 The optimizer step runs :func:`lwjax.tools.bench.run_bench` (lwjax against
 replicated optax Muon and, optionally, Megatron-Core); ``--train-step`` runs
-:func:`lwjax.tools.train_bench.run_train_bench` (lwjax Muon, lwjax AdamW and
+:func:`lwjax.tools.bench.run_train_bench` (lwjax Muon, lwjax AdamW and
 optax AdamW). Both print a table, or their records as JSON, and can write
 ``bench.json`` into ``--out``.
 """
@@ -80,7 +80,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_train_step(args: argparse.Namespace) -> int:
     """``bench --train-step``: full training steps, lwjax Muon against AdamW."""
-    from lwjax.tools.train_bench import TrainBenchConfig, run_train_bench
+    from lwjax.tools.bench import TrainBenchConfig, run_train_bench
 
     config = TrainBenchConfig(
         workload=args.workload,

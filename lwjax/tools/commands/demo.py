@@ -1,6 +1,6 @@
 """``lwjax demo``: train the demo GPT with lwjax, then with a baseline, and compare.
 
-The flags are :class:`~lwjax.tools.demo.run.DemoConfig`'s fields (with their
+The flags are :class:`~lwjax.tools.demo.config.DemoConfig`'s fields (with their
 defaults); :func:`~lwjax.tools.demo.run.run_demo` trains, prints the summary and
 writes ``metrics.json`` and ``loss.png``; ``--json`` prints the metrics.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from lwjax.tools.demo.run import BASELINES, DemoConfig  # jax-free module
+from lwjax.tools.demo.config import BASELINES, DemoConfig  # jax-free module
 from lwjax.tools.render import console, print_json, require_rich
 
 

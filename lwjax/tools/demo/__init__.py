@@ -10,8 +10,10 @@
 * :mod:`lwjax.tools.demo.optimizers`: lwjax's layer-wise Muon and the optax baseline it is
   compared with, and their shared schedule.
 * :mod:`lwjax.tools.demo.report`: summary table, loss-curve PNG, metrics JSON.
-* :mod:`lwjax.tools.demo.run`: :class:`~lwjax.tools.demo.run.DemoConfig` and
-  :func:`~lwjax.tools.demo.run.run_demo`, which ``lwjax demo`` calls.
+* :mod:`lwjax.tools.demo.config`: :class:`~lwjax.tools.demo.config.DemoConfig`, the
+  demo's options, and the peak learning rates they default to.
+* :mod:`lwjax.tools.demo.run`: :func:`~lwjax.tools.demo.run.run_demo`, which ``lwjax demo``
+  calls (``DemoConfig`` is re-exported there).
 
 Nothing here is imported by ``import lwjax``.
 """

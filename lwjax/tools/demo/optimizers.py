@@ -15,16 +15,21 @@ Megatron). Nothing here imports jax at module level.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from lwjax.tools.demo.run import DemoConfig
+from lwjax.tools.demo.config import ADAMW_LEARNING_RATE, LEARNING_RATE, DemoConfig
+
+# The learning rates are re-exported from here, their old home.
+__all__ = [
+    "ADAMW_LEARNING_RATE",
+    "LEARNING_RATE",
+    "MUON_RMS_MATCH",
+    "baseline_optimizer",
+    "lwjax_optimizer",
+    "schedule",
+]
 
 MUON_RMS_MATCH = 0.2  # extra_scale_factor that gives Muon updates AdamW's RMS (Moonlight)
-# Peak learning rates picked by a sweep over {1, 2, 3, 5, 10, 20, 40}e-3 on the default run
-# (150 steps, small model): best validation loss for each optimizer.
-LEARNING_RATE = 0.02
-ADAMW_LEARNING_RATE = 0.005
 
 
 def schedule(config: DemoConfig, peak: float):
