@@ -12,10 +12,10 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+from lwjax.config import OptimizerConfig
 from lwjax.layout import LayoutConfig
 from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
 from lwjax.muon import MuonConfig
-from lwjax.config import OptimizerConfig
 from lwjax.optimizer import LayerwiseOptimizer, layerwise_muon
 
 # Megatron-Core GPTs (lwjax.megatron.gpt): 8b is Llama-3-8B's layer with 4 layers; 1b has 16
