@@ -3,9 +3,9 @@
 A pipelined, clipping optimizer (``OptimizerConfig(pipeline_muon=True)``)
 starts Newton–Schulz before the gradient norm only after a step that needed
 no Muon clip (:mod:`lwjax.pipelined`). Inside one compiled step that choice
-is a ``lax.cond`` over the whole step, and on GPU the conditional costs
-0.35–1.3 ms a step (``docs/benchmarks.md``): with the clip binding on every
-step, it made the pipelined step slower than the serial step it runs.
+is a ``lax.cond`` over the whole step, and on GPU the conditional has a cost
+of its own (``docs/benchmarks.md``): with the clip binding on every step, it
+made the pipelined step slower than the serial step it runs.
 Chosen on the host instead, each choice is a compiled step of its own, with
 no conditional in it.
 

@@ -185,9 +185,8 @@ def _vectors_reduced_apart(plan: StepPlan, grads):
     Such a gradient is a sum over tokens, e.g. :math:`\partial w_j = \sum_t \hat x_{tj}
     \, \partial y_{tj}` for a norm scale. Left alone, XLA may fuse that sum into the
     concatenation that packs its bucket, whose loop then sums over the tokens serially,
-    one element at a time: on H200 four such packing kernels took about 16 ms per step of the
-    8b workload's ZeRO-1 AdamW step, and the barrier took 13 ms off the step's non-GEMM
-    kernels (``docs/benchmarks.md``). Matrix gradients are GEMM outputs, which XLA does not
+    one element at a time (measured on GPU: ``docs/benchmarks.md``, "norm gradients fused into
+    the packing kernels"). Matrix gradients are GEMM outputs, which XLA does not
     fuse into a concatenation; they are left as they are.
     """
     leaves = check_tree(plan, grads, "gradients")

@@ -14,7 +14,8 @@ import numpy as np
 from jax import lax
 
 from lwjax import shards
-from lwjax.plan import MeshAxes, ParamPlan
+from lwjax.parallel.axes import MeshAxes
+from lwjax.param_plan import ParamPlan
 
 
 def first_device(axes: MeshAxes, tensor_axes: tuple[int, ...]) -> jax.Array:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lwjax.plan import MeshAxes, SlotGroup
+from lwjax.parallel.axes import MeshAxes
+from lwjax.param_plan import SlotGroup
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,10 +149,10 @@ def resolved_layout(layout: LayoutConfig, axes: MeshAxes, muon: MuonConfig) -> L
     to a billion elements per device) when the layout spans one device and
     ``"duplicated"`` Muon deals each slot group's matrices out over
     tensor-parallel devices: no data-parallel collective is left for buckets
-    to overlap, and the deal needs many matrices of a shape in a bucket (8b
-    shapes × 4 layers at tp 2 on 2 × H200: 68 ms against 97 ms with 40M-element
-    buckets). Elsewhere ``"auto"`` stays Megatron's size: without tensor
-    parallelism one bucket was slower there (129 against 115 ms).
+    to overlap, and the deal needs many matrices of a shape in a bucket.
+    Elsewhere ``"auto"`` stays Megatron's size, where one bucket was slower
+    (both measured: ``docs/benchmarks.md``, tensor parallelism per
+    ``--muon-tp-mode``).
     """
     alone = axes.group_size == 1 and axes.tp_size > 1 and muon.tp_mode == "duplicated"
     if layout.bucket_size == "auto" and alone:
