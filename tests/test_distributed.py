@@ -204,14 +204,20 @@ def test_checkpoint_from_one_process_restores_in_two(runs):
 
 
 def test_dead_process_fails_the_others_at_their_next_collective():
-    # Process 1 crashes after step 2; process 0 is then inside step 3's reduce-scatter. The launcher
-    # lets it run (stop_on_failure=False) to show that lwjax.distributed itself ends it.
+    # Process 1 crashes after step 2; process 0 waits a second on the host, then enters step 3's
+    # reduce-scatter and fails there. (Entering it at once, it could end in the same instant as
+    # process 1, and which ended first was a race.) The launcher lets it run
+    # (stop_on_failure=False) to show that lwjax.distributed itself ends it.
     result, out, report = _launch(
         "--steps",
         1000,
         "--die-after",
         2,
         "--die-process",
+        1,
+        "--hang-process",
+        0,
+        "--hang-seconds",
         1,
         devices=2,
         heartbeat_timeout=HEARTBEAT,

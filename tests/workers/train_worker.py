@@ -15,7 +15,9 @@ state, gathered from every process; with ``--save``, the lwjax checkpoint
 ``DIR/restored.npz``: CKPT restored on this job's mesh. ``--die-after K`` makes
 process ``--die-process`` exit abruptly (``os._exit(1)``, or raise with
 ``--die-how raise``) after step K; ``--hang-process`` then sleeps on the host
-instead of entering the next step, so only JAX's heartbeat can notice.
+(``--hang-seconds``) instead of entering the next step: longer than the heartbeat, only JAX's
+heartbeat can notice; a second, and it meets the dead process at its next collective, after
+that process has surely ended.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def train(
     die_process: int = 1,
     die_how: str = "exit",
     hang_process: int | None = None,
+    hang_seconds: float = HANG_SECONDS,
     log=print,
 ):
     """Train ``steps`` steps on ``mesh``; return ``(optimizer, params, state, losses)``.
@@ -139,7 +142,7 @@ def train(
         log(f"step {step} loss {losses[-1]:.6f} rows {rows.start}:{rows.stop}")
         if die_after is not None and step + 1 == die_after and jax.process_index() == hang_process:
             log(f"process {hang_process} sleeps on the host, outside any collective")
-            time.sleep(HANG_SECONDS)
+            time.sleep(hang_seconds)
         if die_after is not None and step + 1 == die_after and jax.process_index() == die_process:
             log(f"simulated crash of process {die_process} after step {step + 1}")
             if die_how == "raise":
@@ -173,6 +176,7 @@ def main(argv=None) -> int:
         default=None,
         help="this process sleeps (outside any collective) after step --die-after",
     )
+    p.add_argument("--hang-seconds", type=float, default=HANG_SECONDS)
     args = p.parse_args(argv)
 
     from lwjax import distributed
@@ -197,6 +201,7 @@ def main(argv=None) -> int:
         die_process=args.die_process,
         die_how=args.die_how,
         hang_process=args.hang_process,
+        hang_seconds=args.hang_seconds,
         log=lambda s: print(s, flush=True),
     )
     host = distributed.gather_to_host({"params": params, "state": to_logical(optimizer, state)})
