@@ -123,7 +123,8 @@ def test_the_fuzz_harness_runs_under_libfuzzer(tmp_path, target):
     # The long runs of README.md keep -rss_limit_mb and record the peak.
     proc = subprocess.run(
         [sys.executable, str(HARNESS), target, "-max_total_time=2", "-timeout=5"]
-        + ["-rss_limit_mb=0", "-max_len=100000", "-print_final_stats=1"],
+        + ["-rss_limit_mb=0", "-max_len=100000", "-print_final_stats=1"]
+        + [f"-artifact_prefix={tmp_path}/"],  # a failing input lands here, not in the checkout
         capture_output=True,
         text=True,
         timeout=300,
