@@ -107,16 +107,21 @@ class GradStats(NamedTuple):
     groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
 
 
-def init(plan: StepPlan, params) -> LayerwiseState:
-    """This device's state: its shard of the packed masters, zero momenta, the elementwise state."""
+def master_shards(plan: StepPlan, params) -> tuple[tuple[jax.Array, ...], ...]:
+    """``params`` packed in the master dtype, this device's shard of each bucket."""
     packed = pack(plan, params, dtypes=[plan.master_dtype] * len(plan.buffers))
-    masters = tuple(
+    return tuple(
         tuple(
             lax.dynamic_slice(flat, (lax.axis_index(plan.axes.of(b.key)) * size,), (size,))
             for flat, size in zip(buckets, b.shard_sizes)
         )
         for b, buckets in zip(plan.buffers, packed)
     )
+
+
+def init(plan: StepPlan, params) -> LayerwiseState:
+    """This device's state: its shard of the packed masters, zero momenta, the elementwise state."""
+    masters = master_shards(plan, params)
     momenta = tuple(
         tuple(jnp.zeros_like(m) for m in ms) if b.key.is_layer_wise else None
         for b, ms in zip(plan.buffers, masters)

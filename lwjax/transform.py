@@ -149,7 +149,7 @@ def _masters_as_applied(plan: StepPlan, local_update: Callable, grads, state, pa
     """
     new, state, metrics = local_update(plan, grads, state, params, **kwargs)
     applied = [p.astype(d.dtype) + d for p, d in zip(params, map(_difference, new, params))]
-    packed = step_lib.init(plan, applied).masters
+    packed = step_lib.master_shards(plan, applied)
     masters = tuple(
         tuple(
             jnp.where(a.astype(b.key.param_dtype) == m.astype(b.key.param_dtype), m, a)
