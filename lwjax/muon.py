@@ -23,13 +23,13 @@ import dataclasses
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from lwjax.moved import moved_names
 from lwjax.muon_scale import SCALE_MODES, ScaleMode, _check_qkv_split, _row_scales, _scaled
 from lwjax.muon_scale import get_muon_scale_factor as get_muon_scale_factor
 from lwjax.newton_schulz import (
@@ -64,19 +64,8 @@ class _BlockExchange(Protocol):
         """The ``(m, n)`` whose scale applies to a block of ``shape``; ``None``: its own."""
 
 
-def __getattr__(name: str):
-    """``TensorSplit``, moved to :mod:`lwjax.parallel.exchange` after 0.4.0, for one release."""
-    if name == "TensorSplit":
-        warnings.warn(
-            "lwjax.muon.TensorSplit moved to lwjax.parallel.exchange.TensorSplit after 0.4.0; "
-            "import it from there.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from lwjax.parallel import exchange
-
-        return exchange.TensorSplit
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# TensorSplit moved to lwjax.parallel.exchange after 0.4.0; readable here for one release.
+__getattr__ = moved_names(__name__, {"TensorSplit": "lwjax.parallel.exchange"})
 
 
 def orthogonalize(

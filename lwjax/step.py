@@ -44,9 +44,7 @@ sum), so its sum over ``dp`` is the gradient of the global mean loss too.
 
 from __future__ import annotations
 
-import importlib
 import math
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -62,6 +60,7 @@ from lwjax.bucket_update import (
     weight_decay_at,
 )
 from lwjax.buffers import check_tree, pack, unpack
+from lwjax.moved import moved_names
 from lwjax.parallel.counted import count_once, counted_masks
 from lwjax.plan import StepPlan
 from lwjax.state import LayerwiseState as LayerwiseState
@@ -83,16 +82,7 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    """A name in ``_MOVED``, from its new module, for one release."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"lwjax.step.{name} moved to {_MOVED[name]}.{name} after 0.4.0; import it from there.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
+__getattr__ = moved_names(__name__, _MOVED)
 
 
 class GradStats(NamedTuple):
