@@ -63,6 +63,8 @@ def hyperparameters_of(groups: Sequence[Mapping]) -> tuple[dict, int | None]:
             "lr",
             "max_lr",
             "min_lr",
+            "start_wd",
+            "end_wd",
             "weight_decay",
             "betas",
             "eps",

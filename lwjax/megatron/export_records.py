@@ -19,12 +19,13 @@ from lwjax.megatron import names as names_lib
 from lwjax.megatron.gpt import GPTConfig
 from lwjax.megatron.state import MegatronState
 
-_ADAM_GROUP_DEFAULTS = {
+_GROUP_FLAGS = {
     "is_expert_parallel": False,
     "default_config": True,
     "lr_mult": 1.0,
     "is_decoupled_lr": False,
-    "min_lr": None,
+}
+_TORCH_ADAM_DEFAULTS = {
     "amsgrad": False,
     "maximize": False,
     "foreach": None,
@@ -82,26 +83,46 @@ def megatron_args(state: MegatronState, config: GPTConfig | None) -> dict:
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         optimizer="dist_muon" if state.momentum else "adam",
+        no_save_rng=True,  # no torch RNG state is written: Megatron-LM then loads none
         bf16=any(w.dtype == ml_dtypes.bfloat16 for w in state.model.values()),
     )
     return args
 
 
 def param_groups(state: MegatronState) -> tuple[list[dict], list[dict]]:
+    """The Muon and Adam param groups, with every value Megatron-Core matches a group by
+    when it loads (``param_group_identifier_keys``: ``max_lr``, ``min_lr``, ``start_wd``,
+    ``end_wd``, ``wd_mult``, ``lr_mult``, ``optimizer``, ``is_expert_parallel``,
+    ``is_decoupled_lr``) as its own optimizer has them: the values read from the imported
+    groups, ``optimizer: "adam"`` on the Adam groups beside Muon (a plain Adam optimizer's
+    groups have no such key).
+    """
     adam = state.hyperparameters.get("adam", {})
     muon = state.hyperparameters.get("muon", {})
     lr = float(adam.get("lr", muon.get("lr", 0.0)))
+
+    def shared(entry, group_lr, wd_mult):
+        return {
+            **_GROUP_FLAGS,
+            "wd_mult": wd_mult,
+            "max_lr": float(entry.get("max_lr", group_lr)),
+            "min_lr": _optional_float(entry.get("min_lr")),
+            **{k: float(entry[k]) for k in ("start_wd", "end_wd") if entry.get(k) is not None},
+            "lr": group_lr,
+            "weight_decay": float(entry.get("weight_decay", 0.0)),
+        }
+
     adam_groups = []
     for wd_mult in (1.0, 0.0):
         group = {
-            **_ADAM_GROUP_DEFAULTS,
-            "wd_mult": wd_mult,
-            "max_lr": float(adam.get("max_lr", lr)),
-            "lr": lr,
+            **shared(adam, lr, wd_mult),
+            **({"optimizer": "adam"} if state.momentum else {}),
+            **_TORCH_ADAM_DEFAULTS,
             "betas": tuple(adam.get("betas", (0.9, 0.999))),
             "eps": float(adam.get("eps", 1e-8)),
-            "weight_decay": float(adam.get("weight_decay", 0.0)),
         }
+        if wd_mult == 0.0:
+            group["weight_decay"] = 0.0
         if state.adam_step is not None:
             group["step"] = float(state.adam_step)
         adam_groups.append(group)
@@ -109,47 +130,50 @@ def param_groups(state: MegatronState) -> tuple[list[dict], list[dict]]:
     if state.momentum:
         muon_lr = float(muon.get("lr", lr))
         muon_groups.append(
-            {
-                **{
-                    k: _ADAM_GROUP_DEFAULTS[k]
-                    for k in (
-                        "is_expert_parallel",
-                        "default_config",
-                        "lr_mult",
-                        "is_decoupled_lr",
-                        "min_lr",
-                    )
-                },
-                "wd_mult": 1.0,
-                "max_lr": float(muon.get("max_lr", muon_lr)),
-                "lr": muon_lr,
-                "momentum": float(muon.get("momentum", 0.95)),
-                "weight_decay": float(muon.get("weight_decay", 0.0)),
-            }
+            {**shared(muon, muon_lr, 1.0), "momentum": float(muon.get("momentum", 0.95))}
         )
     return muon_groups, adam_groups
 
 
-def advanced_scheduler(
-    scheduler: Mapping, iteration: int | None, args: Mapping | None, step
-) -> dict:
-    """A Megatron import's ``opt_param_scheduler`` moved on by the steps lwjax took since:
-    ``num_steps += (step - iteration) * global_batch_size``.
+def _optional_float(value):
+    return None if value is None else float(value)
+
+
+def advanced_records(
+    args: Mapping | None, scheduler: Mapping | None, iteration: int | None, step
+) -> tuple[dict, dict]:
+    """A Megatron import's ``args`` and ``opt_param_scheduler`` moved on by the steps lwjax
+    took since (``step - iteration``), each step a global batch of samples:
+
+    * ``scheduler["num_steps"] += taken * global_batch_size`` (Megatron-LM steps its
+      scheduler by the samples of an iteration);
+    * ``args["consumed_train_samples"] += taken * global_batch_size``, the count Megatron-LM
+      resumes its data from. An import without it starts from the scheduler's sample count
+      before the steps (Megatron-LM keeps the two equal), else from nothing.
+
+    Raises:
+      ValueError: steps were taken and the args lack ``global_batch_size``.
     """
-    scheduler = dict(scheduler or {})
-    if not scheduler or step is None:
-        return scheduler
+    args, scheduler = dict(args or {}), dict(scheduler or {})
+    if step is None:
+        return args, scheduler
     taken = int(step) - int(step if iteration is None else iteration)
-    if taken:
-        batch = (args or {}).get("global_batch_size")
-        if not batch:
-            raise ValueError(
-                "the run moved on from its Megatron import, but its args lack "
-                "global_batch_size: the scheduler's position in samples cannot be advanced."
-            )
-        key = "num_steps" if "num_steps" in scheduler else "num_iters"
-        scheduler[key] = int(scheduler.get(key, 0)) + taken * int(batch)
-    return scheduler
+    batch = args.get("global_batch_size")
+    if taken and not batch:
+        raise ValueError(
+            "the run moved on from its Megatron import, but its args lack "
+            "global_batch_size: the samples it consumed cannot be counted."
+        )
+    samples = taken * int(batch or 0)
+    key = "num_steps" if "num_steps" in scheduler else "num_iters"
+    consumed = args.get("consumed_train_samples")
+    if consumed is None and key in scheduler:
+        consumed = scheduler[key]
+    if consumed is not None:
+        args["consumed_train_samples"] = int(consumed) + samples
+    if scheduler:
+        scheduler[key] = int(scheduler.get(key, 0)) + samples
+    return args, scheduler
 
 
 def common_state(state: MegatronState, config: GPTConfig | None) -> dict:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from lwjax.megatron.export import logical_to_megatron
-from lwjax.megatron.export_records import advanced_scheduler, plain
+from lwjax.megatron.export_records import advanced_records, plain
 from lwjax.megatron.gpt import GPTConfig, tree_from_keys
 from lwjax.megatron.state import MegatronState
 
@@ -59,15 +59,16 @@ def state_from_lwjax(
     )
     meta = record.get("metadata", {}).get("megatron", {})
     config = GPTConfig(**meta["config"]) if "config" in meta else None
+    args, scheduler = advanced_records(
+        meta.get("args"), meta.get("scheduler"), meta.get("iteration"), record.get("step")
+    )
     state = logical_to_megatron(
         tree_from_keys(params),
         logical,
         iteration=record.get("step"),
         hyperparameters=meta.get("hyperparameters"),
-        args=meta.get("args"),
-        scheduler=advanced_scheduler(
-            meta.get("scheduler"), meta.get("iteration"), meta.get("args"), record.get("step")
-        ),
+        args=args,
+        scheduler=scheduler,
     )
     return state, config
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lwjax.megatron.export import logical_to_megatron
-from lwjax.megatron.export_records import advanced_scheduler
+from lwjax.megatron.export_records import advanced_records
 from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
 from lwjax.megatron.lwjax_checkpoint import detect_source, state_from_lwjax
 from lwjax.megatron.state import MegatronState, read_megatron
@@ -174,8 +174,8 @@ class MegatronImport:
         """The continued run as a :class:`~lwjax.megatron.state.MegatronState` to save with
         :func:`~lwjax.megatron.export.save_torch_dist` or
         :func:`~lwjax.megatron.export.save_safetensors`: Megatron's args, param groups
-        at the schedule's current values, and its scheduler moved on by the steps taken
-        since the import.
+        at the schedule's current values, its scheduler and ``consumed_train_samples`` moved
+        on by the steps taken since the import.
 
         Args:
           params: The GPT parameter tree.
@@ -190,12 +190,9 @@ class MegatronImport:
             for entry in hyperparameters.values():
                 entry["lr"] = float(schedule.learning_rate_at(samples))
                 entry["weight_decay"] = float(schedule.weight_decay_at(samples))
+        args, scheduler = advanced_records(self.args, self.scheduler, self.iteration, count)
         return logical_to_megatron(
-            params,
-            logical,
-            hyperparameters=hyperparameters,
-            args=self.args,
-            scheduler=advanced_scheduler(self.scheduler, self.iteration, self.args, count),
+            params, logical, hyperparameters=hyperparameters, args=args, scheduler=scheduler
         )
 
     def report(self) -> str:

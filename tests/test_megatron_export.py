@@ -1,0 +1,131 @@
+"""Megatron-Core continues from what lwjax exports.
+
+The ``export_*`` fixtures (``tests/fixtures/megatron/make_export_run.py``) are lwjax's exports of
+the ``resume_*`` runs after one iteration in lwjax, and what megatron-core 0.19.2 did with each:
+it loaded the export as Megatron-LM's ``load_checkpoint`` does (param groups matched by their
+identifiers, scheduler, ``consumed_train_samples``, no RNG state asked for) and ran the next
+iteration. Here lwjax writes the export again, which must be what Megatron loaded, and takes the
+same next iteration, which must be Megatron's.
+"""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from megatron_export_run import FIXTURES, batch, continue_and_export
+
+import lwjax
+from lwjax.logical import to_logical
+from lwjax.megatron import import_megatron
+from lwjax.megatron.dcp import load_dcp
+from lwjax.megatron.export_records import advanced_records
+from lwjax.megatron.gpt import keys_from_tree
+
+RUNS = {"export_muon": "resume_muon", "export_adam": "resume_adam"}
+# Megatron's iteration 5 against lwjax's from the same file, each parameter's difference in norm
+# over the norm of Megatron's step: at most 2.5e-4 (Adam) and 1.6e-5 (Muon) measured under the
+# test session's XLA flags (no LLVM optimisation); with XLA's default flags every master is
+# within 2.5e-7 of Megatron's
+STEP_RTOL = 1e-3
+
+
+def _iteration_dir(directory: pathlib.Path) -> pathlib.Path:
+    latest = int((directory / "latest_checkpointed_iteration.txt").read_text())
+    return directory / f"iter_{latest:07d}"
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def exported(request, tmp_path_factory):
+    """``(name, export directory, lwjax's run after it)`` for one fixture."""
+    name = request.param
+    directory = tmp_path_factory.mktemp(name) / "export"
+    run = continue_and_export(RUNS[name], directory)
+    return name, directory, run
+
+
+def test_lwjax_writes_what_megatron_loaded(exported):
+    """Every tensor and record of the export equals, bit for bit, the fixture Megatron loaded
+    (made under this test session's XLA flags): a change to the export (a param-group field, a
+    counter, a key, a number) shows here before it reaches a Megatron run.
+    """
+    name, directory, _ = exported
+    want = load_dcp(_iteration_dir(FIXTURES / name / "export"))
+    got = load_dcp(_iteration_dir(directory))
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+        elif key.startswith("common_state"):
+            common_want, common_got = dict(value), dict(got[key])
+            assert vars(common_got.pop("args")) == vars(common_want.pop("args"))
+            assert common_got == common_want
+        else:
+            assert got[key] == value, key
+
+
+def test_megatron_reads_the_counters_and_schedule_lwjax_moved_on(exported):
+    """Megatron resumed at iteration 4 with the samples of 4 global batches consumed and the
+    learning rate and weight decay Megatron's own run had at iteration 5."""
+    name, _, (imported, *_) = exported
+    continued = np.load(FIXTURES / name / "continued.npz")
+    record = np.load(FIXTURES / RUNS[name] / "resume.npz")
+    assert int(continued["iteration"]) == 4
+    assert int(continued["consumed_train_samples"]) == 4 * imported.args["global_batch_size"]
+    column = 0 if name == "export_muon" else 1  # the Muon group, else an Adam group
+    np.testing.assert_allclose(continued["lr"][column], record["lr/5"][column], rtol=1e-12)
+    np.testing.assert_allclose(continued["wd"][column], record["wd/5"][column], rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_megatrons_next_iteration_from_the_export_is_lwjaxs(name):
+    """lwjax imports the export Megatron loaded and takes iteration 5 from it: loss to 1e-6,
+    grad norm to 1e-6 relative, and each master's step to a thousandth of Megatron's.
+
+    Measured (CPU, jax 0.10.2, megatron-core 0.19.2): loss 5e-7, grad norm 6e-7; with XLA's
+    default flags every master within 2.5e-7: the bf16 forward's own agreement (lwjax's
+    ``numerics="megatron"``), with Newton–Schulz in fp32 as the run was made
+    (``--muon-fp32-matmul-prec high``). The masters are compared relative to the step because
+    under the test session's flags the gradients' last bits move, and Adam's second moments of
+    1e-9 (the norms, some embedding rows) turn that into 1e-5 of a master.
+    """
+    continued = np.load(FIXTURES / name / "continued.npz")
+    record = np.load(FIXTURES / RUNS[name] / "resume.npz")
+    imported = import_megatron(FIXTURES / name / "export")
+    assert imported.iteration == 4
+    opt = imported.optimizer(Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    params, state = imported.state(opt)
+    before = {k: np.asarray(v) for k, v in keys_from_tree(to_logical(opt, state).masters).items()}
+    step = lwjax.make_train_step(imported.loss_fn(), opt)
+    params, state, metrics = step(params, state, batch(record, 5))
+    assert abs(float(metrics["loss"]) - float(continued["loss"])) <= 1e-6
+    assert abs(float(metrics["grad_norm"]) / float(continued["grad_norm"]) - 1) <= 1e-6
+    after = keys_from_tree(to_logical(opt, state).masters)
+    checked = [entry for entry in continued.files if entry.startswith("master/")]
+    assert sorted(e[len("master/") :] for e in checked) == sorted(after)
+    worst = 0.0
+    for entry in checked:
+        key = entry[len("master/") :]
+        update = continued[entry] - before[key]  # Megatron's step
+        apart = np.linalg.norm(np.asarray(after[key]) - continued[entry]) / np.linalg.norm(update)
+        worst = max(worst, apart)
+    assert worst <= STEP_RTOL, worst
+
+
+def test_counters_move_on_from_the_imported_args_or_else_the_scheduler():
+    """Megatron-LM resumes its data at ``args.consumed_train_samples``: lwjax adds a global
+    batch per step it took to the imported count, or to the scheduler's sample count when the
+    import has none (Megatron-LM keeps the two equal), and refuses to guess the batch."""
+    sched = {"num_steps": 12}
+    args, out = advanced_records(
+        {"global_batch_size": 4, "consumed_train_samples": 40}, sched, 3, 5
+    )
+    assert (args["consumed_train_samples"], out["num_steps"]) == (48, 20)
+    args, out = advanced_records({"global_batch_size": 4}, sched, 3, 5)
+    assert (args["consumed_train_samples"], out["num_steps"]) == (20, 20)
+    assert sched == {"num_steps": 12}  # not changed in place
+    args, out = advanced_records({"global_batch_size": 4}, {}, 3, 3)
+    assert "consumed_train_samples" not in args and out == {}
+    with pytest.raises(ValueError, match="global_batch_size"):
+        advanced_records({}, sched, 3, 5)
