@@ -192,7 +192,11 @@ USER_ERRORS = {
         "layout --preset tied --dp two",
         "lwjax layout: argument --dp: invalid int value: 'two'",
     ),
-    "no_model": ("layout --dp 2", "lwjax layout: one of the arguments --preset --spec is required"),
+    "no_model": (
+        "layout --groups --dp 1024",
+        "lwjax layout: the model to lay out is required: --preset NAME (one of llama8b, llama1b, "
+        "moe, tied) or --spec FILE.json.",
+    ),
     "layers_zero": (
         "layout --preset tied --dp 2 --layers 0",
         "lwjax layout: preset tied: layers must be a positive integer",

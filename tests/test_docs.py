@@ -7,8 +7,6 @@ import inspect
 import pathlib
 import re
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import lwjax
@@ -39,6 +37,31 @@ PAGES = (
 PAGES_WITHOUT_PYTHON = ("index", "architecture", "benchmarks")
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SIGNATURE_BLOCK = re.compile(r"^### `([\w.]+)`\n+```text\n(.*?)^```", re.S | re.M)
+
+
+CLI_SPAN = re.compile(r"`(lwjax (?:layout|routes)\s[^`]+)`")
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.S | re.M)
+CLI_LINE = re.compile(r"^(?:\S*/)?lwjax (?:layout|routes)\s")
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(\.\w+)?$|\.\.\.|[\[|{]")  # NAME, FILE.json, [--x]
+
+
+def documented_cli_commands() -> list[tuple[str, list[str]]]:
+    """``(page, argv)`` of every ``lwjax layout``/``lwjax routes`` command line in README.md and
+    docs/, in code spans and shell blocks; templates (``--preset NAME``, ``[--json]``) left out."""
+    commands = []
+    for path in (ROOT / "README.md", *sorted(DOCS.glob("*.md"))):
+        text = path.read_text()
+        lines = CLI_SPAN.findall(text) + [
+            line
+            for block in SHELL_BLOCK.findall(text)
+            for line in block.splitlines()
+            if CLI_LINE.match(line)
+        ]
+        for line in lines:
+            argv = line.split("#")[0].split()[1:]
+            if not any(PLACEHOLDER.search(arg) for arg in argv):
+                commands.append((path.name, argv))
+    return commands
 
 
 def python_blocks(path: pathlib.Path) -> list[str]:
@@ -74,6 +97,17 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     """README's snippets run as pasted, in order, with nothing defined beforehand."""
     monkeypatch.chdir(tmp_path)
     assert run_blocks(ROOT / "README.md", {"__name__": "readme"}) >= 2
+
+
+def test_documented_cli_commands_run(capsys):
+    """Each ``lwjax layout``/``lwjax routes`` command the docs show exits 0 as written."""
+    from lwjax.tools.cli import main
+
+    commands = documented_cli_commands()
+    assert len(commands) >= 4, commands
+    for page, argv in commands:
+        code = main(argv)
+        assert code == 0, f"{page}: lwjax {' '.join(argv)} exited {code}: {capsys.readouterr().err}"
 
 
 def _option_names() -> dict[str, list[str]]:
