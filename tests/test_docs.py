@@ -4,8 +4,11 @@ is documented."""
 import ast
 import dataclasses
 import inspect
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -97,6 +100,27 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     """README's snippets run as pasted, in order, with nothing defined beforehand."""
     monkeypatch.chdir(tmp_path)
     assert run_blocks(ROOT / "README.md", {"__name__": "readme"}) >= 2
+
+
+def test_multihost_script_as_one_process_sees_the_8_device_mesh_the_two_processes_see(tmp_path):
+    """docs/multihost.md's one-process command line builds the mesh of its
+    ``lwjax launch --nproc 2 --devices-per-proc 4`` line."""
+    text = (DOCS / "multihost.md").read_text()
+    (tmp_path / "train.py").write_text(python_blocks(DOCS / "multihost.md")[0])
+    assert "lwjax launch --nproc 2 --devices-per-proc 4 -- python train.py" in text
+    command = re.search(r"`((?:\w+=\S+ )*)python train\.py`", text).group(1)
+    env = dict(pair.split("=") for pair in command.split())
+    script = "import runpy; print('mesh size', runpy.run_path('train.py')['mesh'].size)"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 2" in result.stdout and "mesh size 8" in result.stdout, result.stdout
 
 
 def test_documented_cli_commands_run(capsys):
