@@ -47,7 +47,9 @@ def run(dp: int, precision: str, optax_form: bool = False):
         return optax.apply_updates(params, updates), state
 
     for batch in BATCHES:
-        params, state = optax_step(params, state, jax.device_put(batch, NamedSharding(mesh, P("dp"))))
+        params, state = optax_step(
+            params, state, jax.device_put(batch, NamedSharding(mesh, P("dp")))
+        )
     return params
 
 
