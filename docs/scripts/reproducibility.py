@@ -1,4 +1,4 @@
-"""How far apart runs that should agree end: the demo's tiny GPT, 20 steps, on 8 virtual CPU devices.
+"""How far apart runs that should agree end: the demo's tiny GPT, 20 steps, 8 virtual CPU devices.
 
 For each Newton–Schulz precision (``MuonConfig(fp32_matmul_prec=...)``) it trains the same
 model from the same weights on the same batches three times: ``make_train_step`` at dp 1 and at
