@@ -40,6 +40,22 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def check_scalar_loss(out, where: str) -> None:
+    """Refuse a ``loss_fn`` result that is a tuple or list where the loss alone is expected.
+
+    ``jax.grad`` would stop on it with "Gradient only defined for scalar-output
+    functions"; the usual cause is a ``(loss, aux)`` pair without ``has_aux=True``.
+
+    Raises:
+      TypeError: ``out`` is a tuple or list; the message starts with ``where``.
+    """
+    if isinstance(out, (tuple, list)):
+        raise TypeError(
+            f"{where}: loss_fn returned a {type(out).__name__} of {len(out)}, not a scalar loss; "
+            "if it returns (loss, aux), pass has_aux=True."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class LossAdapter:
     """``loss_fn`` with its form: how the step calls it and reads its results.
@@ -130,6 +146,7 @@ class LossAdapter:
         args = (params, *((model_state,) if self.mutable else ()), micro)
         out = self.loss_fn(*args, *((key,) if key is not None else ()))
         if not (self.has_aux or self.mutable):
+            check_scalar_loss(out, "make_train_step")
             return out, (model_state, None)
         loss, extra = out
         if self.mutable and self.has_aux:

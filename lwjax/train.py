@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.loss_adapter import LossAdapter
+from lwjax.loss_adapter import LossAdapter, check_scalar_loss
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.parallel.axes import as_axis_tuple
 from lwjax.speculation import with_host_speculation
@@ -46,7 +46,9 @@ def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnu
     )
 
 
-def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable:
+def value_and_grad(
+    loss_fn: Callable, optimizer: LayerwiseOptimizer, *, has_aux: bool = False
+) -> Callable:
     """``(params, batch) -> (loss, grads)``, each device's own gradient, for ``optimizer.update``.
 
     Under ``jax.jit``, ``jax.grad`` of a loss over a dp-sharded batch
@@ -56,24 +58,37 @@ def value_and_grad(loss_fn: Callable, optimizer: LayerwiseOptimizer) -> Callable
     data-parallel device inside ``shard_map`` and returns the gradients
     unreduced, stacked on a leading axis of ``dp * ep`` (split over the data
     axes); :attr:`LayerwiseOptimizer.update` recognises that shape and
-    reduce-scatters them. ``loss`` is the mean over devices.
+    reduce-scatters them. ``loss`` (and ``aux``) is the mean over devices.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over ``batch``.
       optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` the gradients are for.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the function then returns
+        ``((loss, aux), grads)``, as ``jax.value_and_grad`` does.
 
     Returns:
       A function of ``(params, batch)``, to call under ``jax.jit``; the
       batch's leading axis is split over the data axes.
+
+    Raises:
+      TypeError: (when traced) ``loss_fn`` returns a tuple without ``has_aux``.
     """
     axes = optimizer.data_axes
     # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
     # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
     manual = {} if optimizer.param_axes is None else {"axis_names": set(as_axis_tuple(axes))}
 
+    def objective(params, batch):
+        out = loss_fn(params, batch)
+        if not has_aux:
+            check_scalar_loss(out, "lwjax.value_and_grad")
+        return out
+
     def local(params, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        return lax.pmean(loss, axes), jax.tree.map(lambda g: g[None], grads)
+        value, grads = jax.value_and_grad(objective, has_aux=has_aux)(params, batch)
+        return jax.tree.map(lambda x: lax.pmean(x, axes), value), jax.tree.map(
+            lambda g: g[None], grads
+        )
 
     def per_device(params, batch):
         return jax.shard_map(

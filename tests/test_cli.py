@@ -3,6 +3,7 @@
 import doctest
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -192,7 +193,11 @@ USER_ERRORS = {
         "layout --preset tied --dp two",
         "lwjax layout: argument --dp: invalid int value: 'two'",
     ),
-    "no_model": ("layout --dp 2", "lwjax layout: one of the arguments --preset --spec is required"),
+    "no_model": (
+        "layout --groups --dp 1024",
+        "lwjax layout: the model to lay out is required: --preset NAME (one of llama8b, llama1b, "
+        "moe, tied) or --spec FILE.json.",
+    ),
     "layers_zero": (
         "layout --preset tied --dp 2 --layers 0",
         "lwjax layout: preset tied: layers must be a positive integer",
@@ -662,3 +667,99 @@ def test_routes_prints_the_routing_table_of_a_shape_file_and_a_checkpoint(tmp_pa
     assert {r["path"]: r["optimizer"] for r in report["routes"]} == {"b": "AdamW", "w": "Muon"}
     code, _, err = _run(capsys, "routes", str(tmp_path / "missing.json"))
     assert code == 2 and "not a checkpoint directory or a readable JSON file" in err
+
+
+def _long_paths_file(tmp_path) -> pathlib.Path:
+    """Leaf shapes of two Llama-style layers under Hugging Face's long names."""
+    shapes = {"model/embed_tokens/embedding": [32000, 4096], "lm_head/kernel": [4096, 32000]}
+    for i in range(2):
+        layer = f"model/layers/{i}"
+        shapes[f"{layer}/self_attn/q_proj/kernel"] = [4096, 4096]
+        shapes[f"{layer}/self_attn/o_proj/einsum_kernel"] = [32, 128, 4096]
+        shapes[f"{layer}/mlp/down_proj/kernel"] = [14336, 4096]
+        shapes[f"{layer}/post_attention_layernorm/scale"] = [4096]
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps(shapes))
+    return path
+
+
+def _bench_records():
+    base = dict(workload="1b", layers=2, params=1_234_567_890, device="cpu", jax="0.0", dp=8)
+    optimizer = [
+        dict(base, contender="lwjax", step_ms=12.5, grad_norm=1.0, state_bytes_per_device=10**9),
+        dict(base, contender="optax muon (replicated)", step_ms=20.0, grad_norm=1.0),
+    ]
+    optimizer[0].update(floor_sum_ms=9.0, floor_sum_back_to_back_ms=8.0, back_to_back_ms=12.0)
+    optimizer[0].update(rs_ms=1.0, ag_ms=2.0, ns_ms=6.0)
+    train = dict(base, micro_batch=4, seq_len=2048, remat=True, param_dtype="bfloat16", mfu=0.4)
+    step = [
+        dict(train, contender="lwjax Muon, parameters gathered in the forward", step_ms=100.0),
+        dict(train, contender="Megatron Muon", skipped="megatron-core is not installed here"),
+    ]
+    step[0].update(compiled_bytes_per_device=3 * 10**9, tokens_per_s=123456.0, floor_ms=90.0)
+    return optimizer, step
+
+
+def _demo_metrics():
+    run = dict(final_train_loss=1.5, final_val_loss=1.6, step_time_s=0.25, tokens_per_s=8192.0)
+    return {
+        "model": {"size": "small", "num_params": 812_345},
+        "devices": {"count": 8, "platform": "cpu"},
+        "config": {"steps": 150},
+        "data": {"unigram_entropy": 3.2, "val_tokens": 8192, "num_files": 180},
+        "runs": {
+            "lwjax": dict(run, optimizer="layer-wise Muon (lwjax)", state_bytes_per_device=10**6),
+            "adamw": dict(run, optimizer="AdamW (replicated)", state_bytes_per_device=8 * 10**6),
+        },
+    }
+
+
+def _print_tables(name, tmp_path):
+    """Print one of the CLI's tables; return the headers it must show in full."""
+    from lwjax.tools import render
+    from lwjax.tools.demo.report import summary_table
+
+    if name == "routes":
+        assert main(["routes", str(_long_paths_file(tmp_path))]) == 0
+        return ["path", "optimizer"]
+    if name == "layout":
+        assert main(["layout", "--preset", "moe", "--layers", "2", "--dp", "4"]) == 0
+        return ["bucket", "shard", "elements", "padding", "max/mean el.", "max/mean FLOPs"]
+    if name == "compare":
+        assert main(["layout", "--preset", "llama8b", "--dp", "8", "--compare"]) == 0
+        return ["policy", "padding", "max/mean el.", "max/mean NS FLOPs"]
+    if name == "groups":
+        assert main(["layout", "--preset", "llama8b", "--dp", "64", "--groups"]) == 0
+        return ["group size", "policy", "padding", "state el./device", "max rank NS FLOPs"]
+    optimizer, step = _bench_records()
+    if name == "bench":
+        render.print_bench(optimizer)
+        return ["contender", "dp", "step ms", "vs lwjax"]
+    if name == "train_bench":
+        render.print_train_bench(step)
+        return ["contender", "dp", "step ms", "Muon overhead", "floor ms", "over floor"]
+    render.console().print(summary_table(_demo_metrics()))
+    return ["optimizer", "val loss", "step time", "opt. state / device"]
+
+
+@pytest.mark.parametrize("width", [120, 80])
+@pytest.mark.parametrize(
+    "name", ["routes", "layout", "compare", "groups", "bench", "train_bench", "demo"]
+)
+def test_tables_fit_the_console_and_keep_their_essential_columns(
+    name, width, tmp_path, capsys, monkeypatch
+):
+    """At ``COLUMNS`` wide no line is wider, and the columns a table is about keep whole
+    headers (columns of lesser value are left out, long paths and names fold); ``lwjax
+    routes`` still says Muon or AdamW for every leaf."""
+    monkeypatch.setenv("COLUMNS", str(width))
+    essential = _print_tables(name, tmp_path)
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= width
+    headers = [line for line in out.splitlines() if line.startswith("┃")]
+    for column in essential:
+        header = re.compile(rf"┃ +{re.escape(column)} +┃")
+        assert any(header.search(line) for line in headers), (column, headers)
+    if name == "routes":
+        routed = [line for line in out.splitlines() if re.search(r"│ (Muon|AdamW) +│", line)]
+        assert len(routed) == len(json.loads((tmp_path / "shapes.json").read_text()))

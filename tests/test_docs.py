@@ -4,11 +4,12 @@ is documented."""
 import ast
 import dataclasses
 import inspect
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import lwjax
@@ -41,6 +42,31 @@ PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SIGNATURE_BLOCK = re.compile(r"^### `([\w.]+)`\n+```text\n(.*?)^```", re.S | re.M)
 
 
+CLI_SPAN = re.compile(r"`(lwjax (?:layout|routes)\s[^`]+)`")
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.S | re.M)
+CLI_LINE = re.compile(r"^(?:\S*/)?lwjax (?:layout|routes)\s")
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(\.\w+)?$|\.\.\.|[\[|{]")  # NAME, FILE.json, [--x]
+
+
+def documented_cli_commands() -> list[tuple[str, list[str]]]:
+    """``(page, argv)`` of every ``lwjax layout``/``lwjax routes`` command line in README.md and
+    docs/, in code spans and shell blocks; templates (``--preset NAME``, ``[--json]``) left out."""
+    commands = []
+    for path in (ROOT / "README.md", *sorted(DOCS.glob("*.md"))):
+        text = path.read_text()
+        lines = CLI_SPAN.findall(text) + [
+            line
+            for block in SHELL_BLOCK.findall(text)
+            for line in block.splitlines()
+            if CLI_LINE.match(line)
+        ]
+        for line in lines:
+            argv = line.split("#")[0].split()[1:]
+            if not any(PLACEHOLDER.search(arg) for arg in argv):
+                commands.append((path.name, argv))
+    return commands
+
+
 def python_blocks(path: pathlib.Path) -> list[str]:
     return PYTHON_BLOCK.findall(path.read_text())
 
@@ -71,25 +97,41 @@ def test_docs_python_blocks_run(page, tmp_path, monkeypatch):
 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    """README's snippets assume a model is at hand; give them a tiny one."""
+    """README's snippets run as pasted, in order, with nothing defined beforehand."""
     monkeypatch.chdir(tmp_path)
-    rng = np.random.default_rng(0)
-    prelude = {
-        "__name__": "readme",
-        "params": {
-            "w1": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32),
-            "b1": jnp.zeros(32),
-            "w2": jnp.asarray(rng.standard_normal((32, 4)) / 6, jnp.float32),
-        },
-        "loss_fn": lambda p, b: jnp.mean(
-            (jnp.tanh(b[0] @ p["w1"] + p["b1"]) @ p["w2"] - b[1]) ** 2
-        ),
-        "batch": (
-            rng.standard_normal((16, 8)).astype(np.float32),
-            rng.standard_normal((16, 4)).astype(np.float32),
-        ),
-    }
-    assert run_blocks(ROOT / "README.md", prelude) >= 2
+    assert run_blocks(ROOT / "README.md", {"__name__": "readme"}) >= 2
+
+
+def test_multihost_script_as_one_process_sees_the_8_device_mesh_the_two_processes_see(tmp_path):
+    """docs/multihost.md's one-process command line builds the mesh of its
+    ``lwjax launch --nproc 2 --devices-per-proc 4`` line."""
+    text = (DOCS / "multihost.md").read_text()
+    (tmp_path / "train.py").write_text(python_blocks(DOCS / "multihost.md")[0])
+    assert "lwjax launch --nproc 2 --devices-per-proc 4 -- python train.py" in text
+    command = re.search(r"`((?:\w+=\S+ )*)python train\.py`", text).group(1)
+    env = dict(pair.split("=") for pair in command.split())
+    script = "import runpy; print('mesh size', runpy.run_path('train.py')['mesh'].size)"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 2" in result.stdout and "mesh size 8" in result.stdout, result.stdout
+
+
+def test_documented_cli_commands_run(capsys):
+    """Each ``lwjax layout``/``lwjax routes`` command the docs show exits 0 as written."""
+    from lwjax.tools.cli import main
+
+    commands = documented_cli_commands()
+    assert len(commands) >= 4, commands
+    for page, argv in commands:
+        code = main(argv)
+        assert code == 0, f"{page}: lwjax {' '.join(argv)} exited {code}: {capsys.readouterr().err}"
 
 
 def _option_names() -> dict[str, list[str]]:

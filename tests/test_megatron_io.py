@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import numpy as np
@@ -20,6 +21,7 @@ from lwjax.megatron import allow_list
 from lwjax.megatron.budget import DEFAULT_MAX_BYTES
 from lwjax.megatron.dcp import load_dcp, read_dcp_index
 from lwjax.megatron.errors import DamagedCheckpointError
+from lwjax.megatron.export import save_torch_dist
 from lwjax.megatron.pickle_io import load_torch_archive, load_torch_file
 from lwjax.megatron.state import read_megatron
 from lwjax.megatron.unpickler import loads
@@ -111,6 +113,25 @@ def test_numpy_reader_reads_every_fixture_without_torch_or_jax():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "read True"
+
+
+def test_the_megatron_extra_leaves_torch_out_and_a_missing_torch_names_the_cpu_wheel(
+    monkeypatch, tmp_path
+):
+    """torch's default wheels bring gigabytes of CUDA libraries, so the ``megatron`` extra (what
+    reading and safetensors need) leaves it out; the test extra keeps it for the torch paths,
+    which without it say how to install the CPU wheel."""
+    pyproject = tomllib.loads((FIXTURES.parents[2] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert [d for d in extras["megatron"] if d.startswith("torch")] == []
+    assert [d for d in extras["test"] if d.startswith("torch")]
+    state = read_megatron(FIXTURES / "resume_muon")
+    monkeypatch.setitem(sys.modules, "torch", None)  # any import of torch now fails
+    cpu_wheel = re.escape("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    with pytest.raises(ValueError, match=f"^writing torch_dist needs torch.*: {cpu_wheel}\\.$"):
+        save_torch_dist(state, tmp_path / "out")
+    with pytest.raises(ValueError, match=f"^reader='torch' needs torch.*{cpu_wheel}. Or read with"):
+        read_megatron(FIXTURES / "resume_muon", reader="torch")
 
 
 class _Evil:

@@ -75,6 +75,28 @@ def test_aux_is_averaged_and_keys_differ_across_devices_and_steps():
         step(params, state, batch)
 
 
+def test_a_loss_returning_aux_without_has_aux_is_refused_naming_has_aux():
+    """``(loss, aux)`` without ``has_aux=True`` would meet jax's "Gradient only defined for
+    scalar-output functions"; both entry points say which option is missing, and
+    ``lwjax.value_and_grad(..., has_aux=True)`` returns ``((loss, aux), grads)`` as jax does."""
+    params, batch = _linear_problem()
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, batch):
+        return _mse(params, batch), {"x_mean": jnp.mean(batch[0])}
+
+    message = r"loss_fn returned a tuple of 2, not a scalar loss; .* pass has_aux=True"
+    with pytest.raises(TypeError, match=f"make_train_step: {message}"):
+        lwjax.make_train_step(loss_fn, opt, donate=False)(params, opt.init(params), batch)
+    with pytest.raises(TypeError, match=f"lwjax.value_and_grad: {message}"):
+        jax.jit(lwjax.value_and_grad(loss_fn, opt))(params, batch)
+    (loss, aux), grads = jax.jit(lwjax.value_and_grad(loss_fn, opt, has_aux=True))(params, batch)
+    want_loss, want_grads = jax.value_and_grad(_mse)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(aux["x_mean"], np.mean(batch[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.mean(grads["w"], axis=0), want_grads["w"], rtol=1e-4, atol=1e-6)
+
+
 class _BatchNormMLP(nnx.Module):
     def __init__(self, rngs):
         self.l1 = nnx.Linear(8, 32, rngs=rngs)

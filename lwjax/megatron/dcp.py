@@ -388,7 +388,7 @@ def load_dcp_torch(directory, keys=None) -> dict[str, Any]:
     import io
     import warnings
 
-    import_torch("reader='torch'")
+    import_torch("reader='torch'", reading=True)
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader

@@ -14,15 +14,23 @@ import numpy as np
 from lwjax.megatron.allow_list import TORCH_DTYPES
 from lwjax.megatron.errors import DamagedCheckpointError
 
+TORCH_CPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
-def import_torch(what: str):
-    """``import torch``, or a ValueError saying that ``what`` needs it."""
+
+def import_torch(what: str, *, reading: bool = False):
+    """``import torch``, or a ValueError saying that ``what`` needs it and how to install it
+    (and, when ``reading``, that the numpy reader needs none).
+
+    The ``megatron`` extra leaves torch out (its default wheels bring gigabytes of CUDA
+    libraries that nothing here uses); the CPU wheel is enough.
+    """
     try:
         import torch
     except ImportError:
+        instead = " Or read with reader='numpy' (the default), which needs no torch."
         raise ValueError(
-            f"{what} needs torch; install it with pip install 'lwjax[megatron]', "
-            "or use the numpy reader."
+            f"{what} needs torch, which the megatron extra does not install; the CPU wheel is "
+            f"enough: {TORCH_CPU_INSTALL}." + (instead if reading else "")
         ) from None
     return torch
 
@@ -59,7 +67,7 @@ def torch_load(source, *, where: str):
     import argparse
     import pickle
 
-    torch = import_torch("reader='torch'")
+    torch = import_torch("reader='torch'", reading=True)
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(source, map_location="cpu", weights_only=True)

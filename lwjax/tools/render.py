@@ -5,7 +5,9 @@ extra and is imported inside the functions that draw: :func:`console` and
 :func:`table` first call :func:`require_rich`, which turns a missing ``rich``
 into the one-line usage error that :func:`lwjax.tools.cli.main` prints. The
 layout tables live in :mod:`lwjax.tools.render_layout`; the tables of
-``lwjax bench`` and ``lwjax convert`` live here. Nothing here imports jax.
+``lwjax bench`` and ``lwjax convert`` live here. Each table is a
+:class:`~lwjax.tools.fit_table.FitTable`, whose columns fit the console (``$COLUMNS``).
+Nothing here imports jax.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
+
+from lwjax.tools.fit_table import Column, FitTable
 
 NEEDS_TOOLS_EXTRA = "this command needs the tools extra: pip install 'lwjax[tools]'"
 
@@ -76,22 +81,19 @@ def pct(value: float) -> str:
 
 
 def console():
-    """A ``rich.console.Console`` on stdout, 160 columns wide when stdout is not a terminal."""
+    """A ``rich.console.Console`` on stdout: ``$COLUMNS`` wide when set, else the terminal's
+    width, else (a file or a pipe) 160 columns."""
     require_rich()
     from rich.console import Console
 
-    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+    columns = os.environ.get("COLUMNS", "")
+    return Console(file=sys.stdout, width=None if columns.isdigit() or sys.stdout.isatty() else 160)
 
 
-def table(title: str, columns: Sequence[str], *, text_columns: int = 1):
-    """A table whose first ``text_columns`` columns are left-aligned text, the rest numbers."""
+def table(title: str, columns: Sequence[Column], *, caption: str | None = None) -> FitTable:
+    """A :class:`~lwjax.tools.fit_table.FitTable`: its columns fit the console it is printed on."""
     require_rich()
-    from rich.table import Table
-
-    result = Table(title=title, title_justify="left", title_style="bold")
-    for i, name in enumerate(columns):
-        result.add_column(name, justify="left" if i < text_columns else "right", no_wrap=True)
-    return result
+    return FitTable(title, columns, caption)
 
 
 def json_text(obj, depth: int = 0) -> str:
@@ -118,8 +120,13 @@ def print_routes(rows: Sequence[tuple], source: str, convention: str, muon_fract
     out = console()
     result = table(
         f"Routing of {source} (matrix_convention={convention})",
-        ("path", "shape", "matrix view", "optimizer", "why"),
-        text_columns=5,
+        (
+            Column("path", text=True, fold=True),
+            Column("shape", text=True, drop=1),
+            Column("matrix view", text=True, drop=2),
+            Column("optimizer", text=True),
+            Column("why", text=True, fold=True),
+        ),
     )
     for row in rows:
         result.add_row(*row)
@@ -147,7 +154,14 @@ def print_bench(records: Sequence[dict]) -> None:
         + "gradient norm (clip 1.0) "
         + norms
     )
-    columns = ["contender", "dp", "step ms", "back to back", "vs lwjax", "state bytes / device"]
+    columns = (
+        Column("contender", text=True, fold=True),
+        Column("dp"),
+        Column("step ms"),
+        Column("back to back", drop=2),
+        Column("vs lwjax"),
+        Column("state bytes / device", drop=1),
+    )
     rows = table(title, columns)
     lwjax_ms = {r["dp"]: r["step_ms"] for r in records if r["contender"] == "lwjax"}
     for r in records:
@@ -193,16 +207,16 @@ def print_train_bench(records: Sequence[dict]) -> None:
         f"{'parameters fully sharded (FSDP), ' if first.get('fsdp') else ''}"
         f"on {first['device']}, jax {first['jax']}"
     )
-    columns = [
-        "contender",
-        "dp",
-        "step ms",
-        "optimizer ms",
-        "tokens/s",
-        "MFU",
-        "Muon overhead",
-        "memory / device",
-    ]
+    columns = (
+        Column("contender", text=True, fold=True),
+        Column("dp"),
+        Column("step ms"),
+        Column("optimizer ms", drop=2),
+        Column("tokens/s", drop=3),
+        Column("MFU", drop=4),
+        Column("Muon overhead"),
+        Column("memory / device", drop=1),
+    )
     rows = table(title, columns)
     overhead = {  # lwjax Muon's over each other contender, Megatron's Muon's over its Adam
         (r["dp"], name): value
@@ -211,7 +225,7 @@ def print_train_bench(records: Sequence[dict]) -> None:
     }
     for r in records:
         if "step_ms" not in r:  # a contender Megatron's script could not run
-            rows.add_row(r["contender"], str(r["dp"]), f"skipped: {r['skipped']}")
+            rows.add_row(f"{r['contender']} (skipped: {r['skipped']})", str(r["dp"]))
             continue
         nbytes = r.get("measured_peak_bytes", r["compiled_bytes_per_device"])
         over = overhead.get((r["dp"], r["contender"]))
@@ -251,7 +265,14 @@ def _print_floors(out, records: Sequence[dict]) -> None:
         return
     rows = table(
         "Against the floor: what no schedule removes",
-        ["contender", "dp", "step ms", "floor ms", "over floor", "comm. beside compute"],
+        (
+            Column("contender", text=True, fold=True),
+            Column("dp"),
+            Column("step ms"),
+            Column("floor ms"),
+            Column("over floor"),
+            Column("comm. beside compute", drop=1),
+        ),
     )
     for r in records:
         profile = r.get("profile") or {}
@@ -326,8 +347,12 @@ def print_convert(out, summary) -> None:
     rows = table(
         f"{summary.src} ({summary.source}) -> {summary.dst} ({summary.target}) · "
         f"iteration {summary.iteration} · {summary.seconds:.2f} s",
-        ["parameter", "shape", "dtype", "optimizer state"],
-        text_columns=4,
+        (
+            Column("parameter", text=True, fold=True),
+            Column("shape", text=True),
+            Column("dtype", text=True, drop=2),
+            Column("optimizer state", text=True, fold=True, drop=1),
+        ),
     )
     for key, shape, dtype, state in summary.rows:
         rows.add_row(key, "×".join(map(str, shape)), dtype, state)

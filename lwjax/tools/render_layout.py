@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from lwjax.groups import ShardingOption
 from lwjax.layout import DEFAULT_POLICY, LayoutConfig
+from lwjax.tools.fit_table import Column
 from lwjax.tools.layout_report import BufferSummary, LayoutSummary, PolicyResult
 from lwjax.tools.render import console, count, flops, pct, ratio, table
 
@@ -62,18 +63,17 @@ def _render_buffer(out, index: int, buffer: BufferSummary) -> None:
     """One buffer: a row per bucket (with its shards while few), then the buffer's total."""
     rows = table(
         _buffer_title(index, buffer),
-        [
-            "bucket",
-            "shard",
-            "range",
-            "params",
-            "elements",
-            "NS FLOPs",
-            "padding",
-            "max/mean el.",
-            "max/mean FLOPs",
-        ],
-        text_columns=2,
+        (
+            Column("bucket", text=True),
+            Column("shard", text=True),
+            Column("range", drop=3),
+            Column("params", drop=2),
+            Column("elements"),
+            Column("NS FLOPs", drop=1),
+            Column("padding"),
+            Column("max/mean el."),
+            Column("max/mean FLOPs"),
+        ),
     )
     with_shards = len(buffer.buckets) * buffer.num_shards <= MAX_SHARD_ROWS
     for bucket in buffer.buckets:
@@ -92,7 +92,7 @@ def _render_buffer(out, index: int, buffer: BufferSummary) -> None:
         if with_shards:
             shard_size = bucket.numel // buffer.num_shards
             _shard_rows(rows, bucket.shards, bucket.start, shard_size)
-            rows.rows[-1].end_section = True
+            rows.end_section()
     if len(buffer.buckets) > 1 or not with_shards:
         rows.add_row(
             "total",
@@ -115,18 +115,18 @@ def _render_summary(out, summary: LayoutSummary, layout_ms: float) -> None:
     """A row per buffer and per group of equally sharded ranks."""
     rows = table(
         f"Model summary (layout computed in {layout_ms:.1f} ms)",
-        [
-            "buffer",
-            "shards",
-            "params",
-            "buckets",
-            "elements",
-            "buffer size",
-            "padding",
-            "NS FLOPs",
-            "max/mean el.",
-            "max/mean FLOPs",
-        ],
+        (
+            Column("buffer", text=True, fold=True),
+            Column("shards", drop=5),
+            Column("params", drop=4),
+            Column("buckets", drop=3),
+            Column("elements"),
+            Column("buffer size", drop=2),
+            Column("padding"),
+            Column("NS FLOPs", drop=1),
+            Column("max/mean el."),
+            Column("max/mean FLOPs"),
+        ),
     )
     for i, buffer in enumerate(summary.buffers):
         rows.add_row(
@@ -168,7 +168,14 @@ def _render_per_rank(out, summary: LayoutSummary) -> None:
             continue
         per_rank = table(
             f"Per rank, all {ranks.num_shards}-way buffers",
-            ["rank", "params", "elements", "NS FLOPs", "el. / mean", "FLOPs / mean"],
+            (
+                Column("rank"),
+                Column("params", drop=1),
+                Column("elements"),
+                Column("NS FLOPs"),
+                Column("el. / mean"),
+                Column("FLOPs / mean"),
+            ),
         )
         mean_numel = ranks.real_numel / ranks.num_shards
         mean_flops = ranks.ns_flops / ranks.num_shards
@@ -233,16 +240,16 @@ def print_comparison(
     )
     rows = table(
         title,
-        [
-            "policy",
-            "buckets",
-            "buffer size",
-            "padding",
-            "max/mean el.",
-            "max/mean NS FLOPs",
-            "max rank NS FLOPs",
-            "layout ms",
-        ],
+        (
+            Column("policy", text=True),
+            Column("buckets", drop=3),
+            Column("buffer size", drop=2),
+            Column("padding"),
+            Column("max/mean el."),
+            Column("max/mean NS FLOPs"),
+            Column("max rank NS FLOPs", drop=1),
+            Column("layout ms", drop=4),
+        ),
     )
     summaries = [r.summary for r in results]
     best_padding = _best([s.padding_pct for s in summaries])
@@ -302,16 +309,16 @@ def print_groups(
         f"Sharding groups for {model}: {count(total)} elements, dp {dp}; chosen: groups of "
         f"{chosen.shards} ({chosen.policy}), padding <= {100 * max_padding:g}% and least "
         "NS work on the busiest rank",
-        [
-            "group size",
-            "groups",
-            "policy",
-            "buffer size",
-            "padding",
-            "state el./device",
-            "grad el. sent/device",
-            "max rank NS FLOPs",
-        ],
+        (
+            Column("group size"),
+            Column("groups", drop=3),
+            Column("policy", text=True),
+            Column("buffer size", drop=2),
+            Column("padding"),
+            Column("state el./device"),
+            Column("grad el. sent/device", drop=1),
+            Column("max rank NS FLOPs"),
+        ),
     )
     for option in options:
         cells = [

@@ -56,6 +56,11 @@ def _load_spec_file(path: str):
 
 def _cmd_layout(args: argparse.Namespace) -> int:
     """Show (or print as JSON) the layout of a preset or a spec file."""
+    if args.preset is None and args.spec is None:
+        raise ValueError(
+            f"the model to lay out is required: --preset NAME (one of {', '.join(PRESETS)}) "
+            "or --spec FILE.json."
+        )
     if args.spec is not None and args.layers is not None:
         raise ValueError("--layers applies to --preset only.")
     if args.preset is not None:
@@ -114,8 +119,10 @@ def add_parser(subparsers) -> None:
             "loads (elements and Newton-Schulz FLOPs), padding overhead and max/mean balance."
         ),
     )
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--preset", choices=tuple(PRESETS), help="a built-in model")
+    model = p.add_mutually_exclusive_group()  # one is required: _cmd_layout says so
+    model.add_argument(
+        "--preset", choices=tuple(PRESETS), help="a built-in model (this or --spec is required)"
+    )
     model.add_argument(
         "--spec",
         metavar="FILE.json",

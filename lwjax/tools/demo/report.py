@@ -20,8 +20,9 @@ def _bytes(n: int) -> str:
 
 
 def summary_table(metrics: dict):
-    """A ``rich.table.Table`` with one row per run."""
-    from rich.table import Table
+    """A table with one row per run (:class:`~lwjax.tools.fit_table.FitTable`)."""
+    from lwjax.tools.fit_table import Column
+    from lwjax.tools.render import table
 
     data, devices = metrics["data"], metrics["devices"]
     title = (
@@ -29,20 +30,25 @@ def summary_table(metrics: dict):
         f"({metrics['model']['num_params']:,} params) · "
         f"{devices['count']} {devices['platform']} devices · {metrics['config']['steps']} steps"
     )
-    table = Table(title=title, title_justify="left", title_style="bold")
-    for name, justify in (
-        ("optimizer", "left"),
-        ("final train loss", "right"),
-        ("val loss", "right"),
-        ("vs unigram", "right"),
-        ("step time", "right"),
-        ("tokens/s", "right"),
-        ("opt. state / device", "right"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True)
     unigram = data["unigram_entropy"]
+    caption = (
+        f"losses in nats/byte; unigram baseline {unigram:.3f} "
+        f"({unigram / math.log(2):.2f} bits/byte); "
+        f"train loss averaged over the last 10 steps; val on {data['val_tokens']:,} held-out bytes "
+        f"of {data['num_files']} stdlib files"
+    )
+    columns = (
+        Column("optimizer", text=True, fold=True),
+        Column("final train loss", drop=1),
+        Column("val loss"),
+        Column("vs unigram", drop=2),
+        Column("step time"),
+        Column("tokens/s", drop=3),
+        Column("opt. state / device"),
+    )
+    rows = table(title, columns, caption=caption)
     for run in metrics["runs"].values():
-        table.add_row(
+        rows.add_row(
             run["optimizer"],
             f"{run['final_train_loss']:.3f}",
             f"{run['final_val_loss']:.3f}",
@@ -51,14 +57,7 @@ def summary_table(metrics: dict):
             f"{run['tokens_per_s']:,.0f}",
             _bytes(run["state_bytes_per_device"]),
         )
-    table.caption = (
-        f"losses in nats/byte; unigram baseline {unigram:.3f} "
-        f"({unigram / math.log(2):.2f} bits/byte); "
-        f"train loss averaged over the last 10 steps; val on {data['val_tokens']:,} held-out bytes "
-        f"of {data['num_files']} stdlib files"
-    )
-    table.caption_justify = "left"
-    return table
+    return rows
 
 
 def _smooth(values: list[float]) -> list[float]:
