@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.loss_adapter import LossAdapter, check_scalar_loss
+from lwjax.loss_adapter import BatchStats, LossAdapter
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.parallel.axes import as_axis_tuple
 from lwjax.speculation import with_host_speculation
@@ -47,60 +47,95 @@ def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnu
 
 
 def value_and_grad(
-    loss_fn: Callable, optimizer: LayerwiseOptimizer, *, has_aux: bool = False
+    loss_fn: Callable,
+    optimizer: LayerwiseOptimizer,
+    *,
+    has_aux: bool = False,
+    mutable: bool = False,
+    rng: bool = False,
+    accumulate: int = 1,
 ) -> Callable:
-    """``(params, batch) -> (loss, grads)``, each device's own gradient, for ``optimizer.update``.
+    """``(params, [model_state,] batch[, key]) -> (value, grads)``, each device's own gradient,
+    for ``optimizer.update``.
 
     Under ``jax.jit``, ``jax.grad`` of a loss over a dp-sharded batch
     all-reduces each gradient where it is produced, so a following
     reduce-scatter has nothing left to do (see ``docs/optax.md``). This
-    computes ``loss_fn(params, local_batch)`` and its gradient on every
-    data-parallel device inside ``shard_map`` and returns the gradients
+    computes ``loss_fn`` and its gradient on every data-parallel device's
+    slice of the batch inside ``shard_map`` and returns the gradients
     unreduced, stacked on a leading axis of ``dp * ep`` (split over the data
     axes); :attr:`LayerwiseOptimizer.update` recognises that shape and
-    reduce-scatters them. ``loss`` (and ``aux``) is the mean over devices.
+    reduce-scatters them.
+
+    ``loss_fn`` takes and returns what it does for :func:`make_train_step`
+    with the same options (:mod:`lwjax.loss_adapter`), and ``value`` has the
+    form of its result: ``loss``, ``(loss, aux)`` with ``has_aux``, ``(loss,
+    model_state)`` with ``mutable``, ``(loss, (model_state, aux))`` with both;
+    ``loss`` and ``aux`` are the means over devices, and so are the floating
+    leaves of ``model_state``. An nnx model with BatchNorm or Dropout changes
+    state as it runs: pass the rest of the model as ``model_state``
+    (``mutable=True``) and put the returned state back (``nnx.update``).
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss over ``batch``.
+      loss_fn: ``loss_fn(params, [model_state,] batch[, key])``, the mean loss
+        over ``batch``, as above.
       optimizer: The :class:`~lwjax.optimizer.LayerwiseOptimizer` the gradients are for.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; the function then returns
-        ``((loss, aux), grads)``, as ``jax.value_and_grad`` does.
+      has_aux: ``loss_fn`` also returns auxiliary values.
+      mutable: ``loss_fn`` takes and returns model state.
+      rng: The function takes a PRNG key last, and ``loss_fn`` gets it folded
+        with the device's index (dropout masks differ across devices; pass a
+        new key each step).
+      accumulate: Micro-batches per device, a positive integer.
 
     Returns:
-      A function of ``(params, batch)``, to call under ``jax.jit``; the
-      batch's leading axis is split over the data axes.
+      A function of ``(params, [model_state,] batch[, key])``, to call under
+      ``jax.jit``; the batch's leading axis is split over the data axes.
 
     Raises:
-      TypeError: (when traced) ``loss_fn`` returns a tuple without ``has_aux``.
+      ValueError: ``accumulate`` is not a positive integer; (at call time) a
+        batch leaf whose leading axis is empty or does not divide by the
+        number of data-parallel devices times ``accumulate``.
     """
+    adapter = LossAdapter(loss_fn, has_aux=has_aux, mutable=mutable, rng=rng, accumulate=accumulate)
     axes = optimizer.data_axes
     # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
     # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
     manual = {} if optimizer.param_axes is None else {"axis_names": set(as_axis_tuple(axes))}
+    names = ("params", *adapter.argument_names)
+    signature = f"value_and_grad's function takes ({', '.join(names)})"
 
-    def objective(params, batch):
-        out = loss_fn(params, batch)
-        if not has_aux:
-            check_scalar_loss(out, "lwjax.value_and_grad")
-        return out
+    def local(params, model_state, batch, key):
+        key = adapter.device_key(key, None, axes)
+        loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
+        means, model_state = adapter.device_means(loss, aux, model_state, axes)
+        return adapter.value(means, model_state), jax.tree.map(lambda g: g[None], grads)
 
-    def local(params, batch):
-        value, grads = jax.value_and_grad(objective, has_aux=has_aux)(params, batch)
-        return jax.tree.map(lambda x: lax.pmean(x, axes), value), jax.tree.map(
-            lambda g: g[None], grads
-        )
-
-    def per_device(params, batch):
+    def per_device(*args):
+        if len(args) != len(names):
+            raise TypeError(
+                f"{signature} with mutable={mutable}, rng={rng}; got {len(args)} arguments."
+            )
+        params, *rest = args
+        model_state, batch, key = adapter.split_arguments(rest)
+        adapter.check_batch(batch, optimizer.num_data, _data_text(optimizer))
         return jax.shard_map(
             local,
             mesh=optimizer.mesh,
-            in_specs=(P(), P(axes)),
+            in_specs=(P(), P(), P(axes), P()),
             out_specs=(P(), P(axes)),
             check_vma=False,
             **manual,
-        )(params, batch)
+        )(params, model_state, batch, key)
 
     return per_device
+
+
+def _data_text(optimizer: LayerwiseOptimizer) -> str:
+    """The data-parallel devices' count, for errors: ``dp=8``, or ``dp*ep=8 (dp=4, ep=2)``."""
+    dp, num_data = optimizer.mesh.shape[optimizer.axis], optimizer.num_data
+    if optimizer.expert_axis is None:
+        return f"dp={dp}"
+    return f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
 
 
 def make_train_step(
@@ -113,6 +148,7 @@ def make_train_step(
     mutable: bool = False,
     rng: bool = False,
     accumulate: int = 1,
+    batch_stats: BatchStats = "per_device",
     overlap_param_gather: bool | None = None,
 ) -> Callable:
     """Build ``train_step(params, state, [model_state,] batch[, key])``, jitted.
@@ -153,6 +189,9 @@ def make_train_step(
       rng: ``train_step`` takes a PRNG key for ``loss_fn``, folded with the
         step count and the device's index.
       accumulate: Micro-batches per device and step.
+      batch_stats: ``"per_device"`` (``loss_fn`` sees each device's slice) or
+        ``"global"`` (it sees the global batch, as above; the key is folded
+        with the step count only).
       overlap_param_gather: Deprecated: ``options=TrainStepOptions(overlap_param_gather=...)``.
 
     Returns:
@@ -170,7 +209,9 @@ def make_train_step(
         tensor-parallel model's collectives belong to XLA: use
         :func:`value_and_grad` and ``optimizer.update`` under ``jax.jit``);
         (at call time) a batch leaf whose leading axis is empty or does not
-        divide by the number of data-parallel devices times ``accumulate``.
+        divide by the number of data-parallel devices times ``accumulate``;
+        ``batch_stats`` is not one of the two, or is ``"global"`` with an
+        expert axis (``loss_fn`` exchanges tokens per device there).
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -188,7 +229,19 @@ def make_train_step(
       (1, False)
     """
     options = _resolved_options(options, overlap_param_gather)
-    adapter = LossAdapter(loss_fn, has_aux=has_aux, mutable=mutable, rng=rng, accumulate=accumulate)
+    adapter = LossAdapter(
+        loss_fn,
+        has_aux=has_aux,
+        mutable=mutable,
+        rng=rng,
+        accumulate=accumulate,
+        batch_stats=batch_stats,
+    )
+    if not adapter.per_device and optimizer.expert_axis is not None:
+        raise ValueError(
+            f"make_train_step: batch_stats='global' with expert_axis={optimizer.expert_axis!r}; "
+            "an expert-parallel loss_fn exchanges tokens per device. Use batch_stats='per_device'."
+        )
     if optimizer.param_axes is not None:
         raise ValueError(
             f"make_train_step: the optimizer has param_axes={optimizer.param_axes!r}; a "
@@ -224,35 +277,64 @@ def _resolved_options(options: TrainStepOptions | None, overlap_param_gather) ->
 
 
 def _compiled_steps(adapter: LossAdapter, optimizer, options, param_specs, *, donate):
-    """``speculate -> step``: the jitted per-device step ``(params, state, model_state, batch,
-    key) -> (params, state, model_state, metrics)``, and the new speculation flag last unless
-    ``speculate`` is ``None`` (:func:`lwjax.speculation.with_host_speculation`)."""
-    axes, overlap = optimizer.data_axes, options.overlap_param_gather
+    """``speculate -> step``: the jitted step ``(params, state, model_state, batch, key) ->
+    (params, state, model_state, metrics)``, and the new speculation flag last unless
+    ``speculate`` is ``None`` (:func:`lwjax.speculation.with_host_speculation`). Per device, the
+    whole step runs in ``shard_map``; with the global batch, the gradients come from GSPMD and
+    only the optimizer's half runs in ``shard_map``, on reduced gradients."""
+    mesh, axes, overlap = optimizer.mesh, optimizer.data_axes, options.overlap_param_gather
+    state_specs = optimizer.state_specs
+
+    def optimizer_step(grads, state, params, speculate):
+        """One device's update: ``(params, state, metrics[, flag])``."""
+        chosen = {} if speculate is None else {"speculate": speculate}
+        params, state, metrics = optimizer.local_update(
+            grads, state, params, gather=not overlap, reduced=not adapter.per_device, **chosen
+        )
+        # A step chosen on the host also returns its new speculation flag apart from the
+        # (donated) state, for the choice two steps on (lwjax.speculation).
+        flag = () if speculate is None else (state.speculate,)
+        return params, state, {"step": state.count, **metrics}, *flag
 
     def local_step(params, state, model_state, batch, key, speculate):
         key = adapter.device_key(key, state.count, axes)
         if overlap:  # each bucket gathered from the masters, under the forward pass
             params = optimizer.local_params(state)
         loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
-        chosen = {} if speculate is None else {"speculate": speculate}
-        params, state, metrics = optimizer.local_update(
-            grads, state, params, gather=not overlap, **chosen
+        params, state, metrics, *flag = optimizer_step(grads, state, params, speculate)
+        means, model_state = adapter.device_means(loss, aux, model_state, axes)
+        return params, state, model_state, {**means, **metrics}, *flag
+
+    def global_step(params, state, model_state, batch, key, speculate):
+        key = adapter.device_key(key, state.count, axes)
+        if overlap:
+            params = optimizer.gather_params(state)
+        batch = lax.with_sharding_constraint(batch, NamedSharding(mesh, P(axes)))
+        loss, grads, model_state, aux = adapter.gradients(
+            params, model_state, batch, key, devices=optimizer.num_data
         )
         means, model_state = adapter.device_means(loss, aux, model_state, axes)
-        metrics = {**means, "step": state.count, **metrics}
-        # A step chosen on the host also returns its new speculation flag apart from the
-        # (donated) state, for the choice two steps on (lwjax.speculation).
-        flag = () if speculate is None else (state.speculate,)
-        return params, state, model_state, metrics, *flag
+        params, state, metrics, *flag = jax.shard_map(
+            lambda *args: optimizer_step(*args, speculate),
+            mesh=mesh,
+            in_specs=(P(), state_specs, param_specs),
+            out_specs=(param_specs, state_specs, P(), *((P(),) if speculate is not None else ())),
+            check_vma=False,
+        )(grads, state, params)
+        return params, state, model_state, {**means, **metrics}, *flag
 
     def compiled(speculate):
         flag = () if speculate is None else (P(),)
-        return jit_shard_map(
-            lambda *args: local_step(*args, speculate),
-            optimizer.mesh,
-            (param_specs, optimizer.state_specs, P(), P(axes), P()),
-            (param_specs, optimizer.state_specs, P(), P(), *flag),
-            donate_argnums=(0, 1, 2) if donate else (),
+        in_specs = (param_specs, state_specs, P(), P(axes), P())
+        out_specs = (param_specs, state_specs, P(), P(), *flag)
+        donate_argnums = (0, 1, 2) if donate else ()
+        if adapter.per_device:
+            step = lambda *args: local_step(*args, speculate)  # noqa: E731
+            return jit_shard_map(step, mesh, in_specs, out_specs, donate_argnums=donate_argnums)
+        return jax.jit(
+            lambda *args: global_step(*args, speculate),
+            out_shardings=named_shardings(mesh, out_specs),
+            donate_argnums=donate_argnums,
         )
 
     return compiled
@@ -269,10 +351,7 @@ def _host_side(step, adapter: LossAdapter, optimizer, options, param_specs) -> C
     signature += (
         f" with mutable={adapter.mutable}, rng={adapter.rng}, overlap_param_gather={overlap}"
     )
-    dp, num_data = mesh.shape[optimizer.axis], optimizer.num_data
-    data_text = f"dp={dp}"
-    if optimizer.expert_axis is not None:
-        data_text = f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
+    num_data, data_text = optimizer.num_data, _data_text(optimizer)
     param_shardings = named_shardings(mesh, param_specs)
     replicated = NamedSharding(mesh, P())
 

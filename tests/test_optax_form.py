@@ -211,6 +211,82 @@ def test_nnx_quickstart_loop_with_batchnorm_and_dropout():
     assert int(optimizer.opt_state.count[...]) == 10
 
 
+def _key_data(x):
+    """``x``, with a PRNG key as its integer data (for comparing)."""
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+class _Stateful(nnx.Module):
+    """An MLP with one layer that changes state as it runs: BatchNorm or Dropout."""
+
+    def __init__(self, layer, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.mid = nnx.BatchNorm(32, rngs=rngs) if layer == "batchnorm" else None
+        self.drop = nnx.Dropout(0.5, rngs=rngs) if layer == "dropout" else None
+        self.l2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.l1(x)
+        x = jax.nn.relu(x if self.mid is None else self.mid(x))
+        return self.l2(x if self.drop is None else self.drop(x))
+
+
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_per_device_gradients_of_an_nnx_model_with_state(layer):
+    """docs/optax.md's per-device nnx step, with the model's rest passed through
+    ``lwjax.value_and_grad(..., mutable=True, rng=True)``: each device's gradient is the one
+    the model gives on one device for that device's slice and its key folded with the device's
+    index; the running statistics are the mean of the devices'; and the ``nnx.Optimizer`` step
+    equals ``make_train_step``'s (which folds the step count in first)."""
+    mesh, key = _mesh(), jax.random.key(7)
+    x, y = _batch(mesh)
+    x = x + jnp.repeat(jnp.arange(8.0), 8)[:, None]  # each device's slice its own mean
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("dp")))
+    with jax.set_mesh(mesh):
+        model = _Stateful(layer, nnx.Rngs(0))
+        tx = lwjax.layerwise_muon(nnx.state(model, nnx.Param), mesh)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, params, rest = jax.tree.map(jnp.copy, nnx.split(model, nnx.Param, ...))
+
+    def loss_fn(params, rest, batch, key):
+        model = nnx.merge(graphdef, params, rest)
+        nnx.reseed(model, dropout=key)
+        return _loss(model, batch), nnx.state(model, nnx.Not(nnx.Param))
+
+    @nnx.jit
+    def train_step(model, optimizer, batch, key):
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        vg = lwjax.value_and_grad(loss_fn, tx, mutable=True, rng=True)
+        (loss, rest), grads = vg(params, rest, batch, key)
+        nnx.update(model, rest)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    loss, grads = train_step(model, optimizer, batch, jax.random.fold_in(key, 0))
+    # The rest rebuilt inside the gradient's trace, where the model may change it.
+    fresh = lambda p, r, b, k: loss_fn(p, jax.tree.map(lambda v: v, r), b, k)  # noqa: E731
+    one_device = jax.jit(jax.value_and_grad(fresh, has_aux=True))
+    losses, states = [], []
+    for d in range(8):
+        rows = slice(8 * d, 8 * d + 8)
+        device_key = jax.random.fold_in(jax.random.fold_in(key, 0), d)
+        (device_loss, device_rest), want = one_device(params, rest, (x[rows], y[rows]), device_key)
+        _close(jax.tree.map(lambda g, d=d: g[d], grads), want)
+        losses.append(float(device_loss))
+        states.append(device_rest)
+    np.testing.assert_allclose(float(loss), np.mean(losses), rtol=1e-6)
+    if layer == "batchnorm":
+        means = np.mean([np.asarray(r["mid"]["mean"][...]) for r in states], axis=0)
+        np.testing.assert_allclose(model.mid.mean[...], means, rtol=1e-5, atol=1e-6)
+        assert np.all(means != 0)
+    step = lwjax.make_train_step(loss_fn, tx, mutable=True, rng=True, donate=False)
+    want_params, _, want_rest, metrics = step(params, tx.init(params), rest, batch, key)
+    np.testing.assert_allclose(float(loss), float(metrics["loss"]), rtol=1e-6)
+    _close(nnx.state(model, nnx.Param), want_params)
+    got_rest = nnx.state(model, nnx.Not(nnx.Param))
+    _close(*jax.tree.map(_key_data, (got_rest, want_rest)))
+
+
 def test_none_leaves_train_checkpoint_and_copy():
     """A tree with a None leaf (an equinox filtered tree) goes through make_train_step,
     to_logical/from_logical and a checkpoint; the optimizer copies and tree-maps as itself."""

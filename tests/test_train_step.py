@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+from reference import Reference
 
 import lwjax
 
@@ -140,6 +141,23 @@ def test_nnx_batchnorm_and_dropout_train_with_the_rest_state():
     assert np.any(np.asarray(rest["bn"]["mean"][...]) != first_mean)  # updated every step
 
 
+def test_a_loss_that_closes_over_nnx_state_is_told_to_pass_it():
+    """A loss that merges the model from a rest it closes over cannot change the rest's batch
+    statistics inside the step (flax refuses); the error says how to pass the rest instead."""
+    model = _BatchNormMLP(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt = lwjax.layerwise_muon(params, _mesh())
+
+    def loss_fn(params, batch):
+        x, y = batch
+        logits = nnx.merge(graphdef, params, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    with pytest.raises(Exception, match="Cannot mutate") as caught:
+        lwjax.make_train_step(loss_fn, opt)(params, opt.init(params), _shifted_batch())
+    assert "mutable=True" in "".join(getattr(caught.value, "__notes__", []))
+
+
 def test_batch_statistics_are_averaged_over_dp():
     """One step of a BatchNorm on the input: the running mean is the global batch mean times
     (1 - momentum), although each device saw only its own shifted slice."""
@@ -159,6 +177,83 @@ def test_batch_statistics_are_averaged_over_dp():
     np.testing.assert_allclose(
         rest["var"][...], 0.5 + 0.5 * x.reshape(DP, 8, 8).var(1).mean(0), rtol=1e-4
     )
+
+
+class _BatchNormNet(nnx.Module):
+    """No bias before the BatchNorm: its gradient would be zero up to rounding, and Adam's
+    direction of rounding noise is not comparable across implementations."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 32, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, momentum=0.5, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+
+
+def test_global_batch_statistics_train_as_one_device_on_the_whole_batch():
+    """``batch_stats="global"``: a BatchNorm without ``axis_name`` normalises by the global
+    batch, so two steps at dp=8 of two micro-batches equal the unsharded reference run on the
+    whole batch on one device: parameters and running statistics. Per device (the default)
+    each device normalises its own shifted slice, and the parameters differ."""
+    graphdef, params, rest = nnx.split(_BatchNormNet(nnx.Rngs(0)), nnx.Param, ...)
+    muon = lwjax.MuonConfig(fp32_matmul_prec="highest")
+    opt = lwjax.layerwise_muon(params, _mesh(), learning_rate=0.02, muon=muon)
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest)
+        x, y = batch
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+    def micro_loss(params, rest, micro_batches):
+        """The mean loss over micro-batches, the statistics threaded through them."""
+        losses = []
+        for micro in micro_batches:
+            loss, rest = loss_fn(params, jax.tree.map(lambda v: v, rest), micro)
+            losses.append(loss)
+        return sum(losses) / len(losses), rest
+
+    grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True))
+    batch = _shifted_batch()
+
+    def train(batch_stats):
+        step = lwjax.make_train_step(
+            loss_fn, opt, mutable=True, batch_stats=batch_stats, accumulate=2, donate=False
+        )
+        p, s, r = params, opt.init(params), rest
+        for _ in range(2):
+            p, s, r, metrics = step(p, s, r, batch)
+        return p, r, float(metrics["loss"])
+
+    def reference():
+        """Micro-batch ``a`` holds the ``a``-th half of every device's slice."""
+        ref = Reference(
+            params, opt.plan.routes, lr=0.02, weight_decay=0.01, clip_grad=1.0, muon_config=muon
+        )
+        micro = [
+            tuple(x.reshape(DP, 2, -1, *x.shape[1:])[:, a].reshape(-1, *x.shape[1:]) for x in batch)
+            for a in range(2)
+        ]
+        r = rest
+        for _ in range(2):
+            (loss, r), grads = grad_fn(ref.params(), r, micro)
+            ref.step(jax.tree.leaves(grads))
+        return ref.params(), r, float(loss)
+
+    want = reference()
+    got = train("global")
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    errors = [
+        np.max(np.abs(np.asarray(a) - np.asarray(b)))
+        for a, b in zip(jax.tree.leaves(train("per_device")[0]), jax.tree.leaves(want[0]))
+    ]
+    assert max(errors) > 0.1, errors
+    with pytest.raises(ValueError, match=r"batch_stats must be one of \('per_device', 'global'\)"):
+        lwjax.make_train_step(loss_fn, opt, mutable=True, batch_stats="sync")
 
 
 class _LinenNet(nn.Module):
