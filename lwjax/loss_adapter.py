@@ -84,6 +84,7 @@ class LossAdapter:
       batch_stats: ``"per_device"``: ``loss_fn`` sees each device's slice of
         the batch, inside ``shard_map``; ``"global"``: it sees the global
         batch, under ``jax.jit`` (see the module's docstring).
+      caller: The public function whose name its errors give.
 
     Raises:
       ValueError: ``accumulate`` is not a positive integer; ``batch_stats`` is
@@ -96,12 +97,13 @@ class LossAdapter:
     rng: bool = False
     accumulate: int = 1
     batch_stats: BatchStats = "per_device"
+    caller: str = "make_train_step"
 
     def __post_init__(self):
         accumulate = self.accumulate
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(
-                f"make_train_step: accumulate must be a positive integer; got {accumulate!r}."
+                f"{self.caller}: accumulate must be a positive integer; got {accumulate!r}."
             )
         if self.batch_stats not in get_args(BatchStats):
             raise ValueError(
@@ -196,7 +198,7 @@ class LossAdapter:
                 err.add_note(_OUTER_STATE_HINT)
             raise
         if not (self.has_aux or self.mutable):
-            check_scalar_loss(out, "make_train_step")
+            check_scalar_loss(out, self.caller)
             return out, (model_state, None)
         loss, extra = out
         if self.mutable and self.has_aux:

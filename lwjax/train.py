@@ -96,7 +96,14 @@ def value_and_grad(
         batch leaf whose leading axis is empty or does not divide by the
         number of data-parallel devices times ``accumulate``.
     """
-    adapter = LossAdapter(loss_fn, has_aux=has_aux, mutable=mutable, rng=rng, accumulate=accumulate)
+    adapter = LossAdapter(
+        loss_fn,
+        has_aux=has_aux,
+        mutable=mutable,
+        rng=rng,
+        accumulate=accumulate,
+        caller="lwjax.value_and_grad",
+    )
     axes = optimizer.data_axes
     # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
     # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
