@@ -116,10 +116,10 @@ def print_json(obj) -> None:
 def print_routes(rows: Sequence[tuple], source: str, convention: str, muon_fraction: float) -> None:
     """The routing table (:func:`lwjax.routing.routing_table` rows) and the Muon share."""
     out = console()
+    from lwjax.routing_table import COLUMNS
+
     result = table(
-        f"Routing of {source} (matrix_convention={convention})",
-        ("path", "shape", "matrix view", "optimizer", "why"),
-        text_columns=5,
+        f"Routing of {source} (matrix_convention={convention})", COLUMNS, text_columns=len(COLUMNS)
     )
     for row in rows:
         result.add_row(*row)
