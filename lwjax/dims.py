@@ -379,13 +379,18 @@ def shared_axis(
     name: str, shape: Sequence[int], leaves, skip: Axes, model_dim: int | None
 ) -> tuple[int, str] | None:
     """An axis of a leaf (outside ``skip``, longer than 1, not the model width) that every leaf
-    of a module around it (two leaves or more) has with the same size, as a stack of layers
-    would: ``(axis, module prefix)``, or ``None``."""
+    of a module around it has with the same size, as a stack of layers would:
+    ``(axis, module prefix)``, or ``None``.
+
+    The module must hold leaves of different ranks (MLP kernels of 3 axes beside attention
+    kernels of 4): an attention module's einsum kernels of one rank share their heads axis.
+    """
     for p, size in enumerate(shape):
         if p in skip or size in (1, model_dim):
             continue
         root = _stack_root(name, leaves, lambda s, p=p, size=size: len(s) > p and s[p] == size)
-        if root is not None and sum(n.startswith(root) for n, _ in leaves) >= 2:
+        ranks = {len(s) for n, s in leaves if root is not None and n.startswith(root)}
+        if len(ranks) >= 2:
             return p, root
     return None
 
