@@ -54,6 +54,8 @@ _HEAD_ANYWHERE = (
 _HEAD_OUTSIDE_BLOCKS = r"out|output|score|pos"
 _BLOCK = re.compile(r"att|mlp|ffn|feed_?forward|block|layer|expert")
 _HEAD = re.compile(rf"^({_HEAD_ANYWHERE})$")
+# ``emb`` as a word of a name part (split at "_"): minGPT's ``tok_emb`` and ``pos_emb``.
+_EMBEDDING_WORDS = frozenset({"emb", "embs"})
 _GENERIC_HEAD = re.compile(rf"^({_HEAD_OUTSIDE_BLOCKS})$")
 _BIAS_OR_SCALE = frozenset({"bias", "b", "scale", "gamma", "beta", "offset"})
 # Words in a module's name (split at "_") that say which side of it the model dimension is on:
@@ -94,6 +96,11 @@ class MatrixDims:
                 )
             object.__setattr__(self, field, value)
 
+    def __str__(self) -> str:
+        """As it would be written: ``MatrixDims((0, 1, 2), 3)``."""
+        axes = [str(a[0]) if len(a) == 1 else str(a) for a in (self.reduction, self.output)]
+        return f"MatrixDims({axes[0]}, {axes[1]})"
+
     def resolve(self, shape: Sequence[int], name: str) -> tuple[Axes, Axes, Axes]:
         """``(batch, reduction, output)`` axes of a leaf of this ``shape``, non-negative, sorted.
 
@@ -130,18 +137,24 @@ def components(name: str) -> list[str]:
 def head_or_embedding_reason(name: str) -> str | None:
     """Why a name looks like an embedding table or output head, or ``None`` if it does not.
 
-    Specific names (``embed*``, ``wte``, ``wpe``, ``lm_head``, ``head``,
-    ``output_layer``, ``logits``, ``logits_dense``, ``logitdense``,
+    Specific names (``*embed*``, ``emb`` as a word such as ``tok_emb``, ``wte``,
+    ``wpe``, ``lm_head``, ``head``, ``output_layer``, ``logits``, ``logits_dense``, ``logitdense``,
     ``classifier``) count anywhere in the path; the generic ``out``,
     ``output``, ``score`` and ``pos`` only outside attention and MLP blocks.
     """
     parts = components(name)
     for i, part in enumerate(parts):
-        if _HEAD.match(part):
+        if _HEAD.match(part) or _is_embedding_part(part):
             return f"name {part!r}: embedding or head"
         if _GENERIC_HEAD.match(part) and not any(_BLOCK.search(p) for p in parts[:i]):
             return f"name {part!r} outside a block: embedding or head"
     return None
+
+
+def _is_embedding_part(part: str) -> bool:
+    """Whether one name part names an embedding table: ``*embed*``, ``wte``, or ``emb`` as a
+    word (``tok_emb``)."""
+    return "embed" in part or part == "wte" or bool(set(part.split("_")) & _EMBEDDING_WORDS)
 
 
 def is_embedding_or_output(name: str) -> bool:
@@ -168,6 +181,20 @@ def is_bias_or_scale(name: str) -> bool:
     """Whether the leaf's own name is a bias, norm scale or offset (never a matrix by default)."""
     parts = components(name)
     return bool(parts) and re.sub(r"\[.*\]$", "", parts[-1]) in _BIAS_OR_SCALE
+
+
+def is_conv_kernel(name: str, shape: Sequence[int]) -> bool:
+    """Whether a leaf of 3+ axes is a convolution kernel by name (a part contains ``conv``)."""
+    return len(shape) >= 3 and any("conv" in part for part in components(name))
+
+
+def conv_dims(ndim: int, matrix_convention: str) -> MatrixDims:
+    """The matrix view that makes a conv kernel one Muon matrix: every axis but the output
+    channels is an input, as flax (``[*window, in, out]``, ``"in_out"``) and torch
+    (``[out, in, *window]``, ``"out_in"``) store them."""
+    if matrix_convention == "in_out":
+        return MatrixDims(tuple(range(ndim - 1)), ndim - 1)
+    return MatrixDims(tuple(range(1, ndim)), 0)
 
 
 def dims_from_axis_names(
@@ -206,6 +233,8 @@ def dims_from_model_dim(
 ) -> tuple[tuple[Axes, Axes, Axes] | None, str]:
     """``(batch, reduction, output)`` of a 3+-axis view split at its one ``model_dim`` axis."""
     matrix = [a for a in range(len(shape)) if a not in batch]
+    if sum(shape[a] > 1 for a in matrix) < 2:
+        return None, f"{len(matrix)}-D with fewer than two axes longer than 1: a vector"
     if model_dim is None:
         return None, f"{len(matrix)}-D with no model dimension to split at"
     model = [a for a in matrix if shape[a] == model_dim]
@@ -255,50 +284,126 @@ def _split_at(
 def infer_model_dim(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> int | None:
     """The model width: the last axis of the first 2-D embedding table, else the commonest size.
 
-    ``leaves`` are ``(name, shape)``. The commonest axis size among 2+-D
-    leaves (ties to the larger) stands in for models without an embedding.
+    ``leaves`` are ``(name, shape)``. The commonest axis size among 2-D leaves
+    (ties to the larger) stands in for models without an embedding; leaves of
+    3+ axes count only where there is no 2-D leaf, since their axes may be a conv
+    kernel's window or a stack of layers rather than a side of a matrix.
     """
     for name, shape in leaves:
-        if len(shape) == 2 and any("embed" in c or c in ("wte",) for c in components(name)):
+        if len(shape) == 2 and any(_is_embedding_part(c) for c in components(name)):
             return shape[-1]
-    counts = collections.Counter(d for _, shape in leaves if len(shape) >= 2 for d in shape)
+    shapes = [s for _, s in leaves if len(s) == 2] or [s for _, s in leaves if len(s) > 2]
+    counts = collections.Counter(d for shape in shapes for d in shape)
     if not counts:
         return None
     return max(counts, key=lambda d: (counts[d], d))
 
 
-def detect_stacks(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
-    """Scanned stacks found without a rule: ``{name: number of leading stack axes}``.
+def detect_stacks(
+    leaves: Sequence[tuple[str, tuple[int, ...]]], model_dim: int | None = None
+) -> dict[str, Axes]:
+    """Scanned stacks found without a rule: ``{name: its stack axes}``.
 
-    A bias or scale with ``k + 1`` axes is ``k`` stacked vectors. Its stack
-    covers the largest enclosing module (path prefix, not the whole tree
-    unless the bias sits at its root) whose every leaf has the same ``k``
-    leading sizes, so the module's kernels stack with it.
+    Two signs give a stack away:
+
+    1. A bias or scale with ``k + 1`` axes is ``k`` stacked vectors. Its stack
+       covers the largest enclosing module (path prefix, not the whole tree
+       unless the bias sits at its root) whose every leaf has the same ``k``
+       leading sizes, so the module's kernels stack with it. A 2-axis bias or
+       scale may instead stack on its last axis, as MaxText's scan with
+       ``param_scan_axis=1`` stores them (``[embed, layers]``, kernels
+       ``[embed, layers, mlp]``): it does when that axis is shared by more of
+       the module's leaves, or by as many and its first axis is the model width.
+    2. A module named like a batch axis (``layers``, ``scan``, ...) whose leaves
+       all have the same size at exactly one axis position, other than the
+       model width, stacks on that axis.
     """
-    found: dict[str, int] = {}
+    found: dict[str, Axes] = {}
     for name, shape in leaves:
         if not is_bias_or_scale(name) or len(shape) < 2:
             continue
-        k = len(shape) - 1
-        root = _stack_root(name, shape[:k], leaves)
-        if root is None:
-            continue
+        axes, root = _bias_stack(name, shape, leaves, model_dim)
+        for n, _ in leaves if root is not None else ():
+            if n.startswith(root):  # a deeper stack (experts in scanned layers) keeps its axes
+                found[n] = max(found.get(n, axes), axes, key=_leading_first)
+    for root, axis in _named_stack_modules(leaves, model_dim).items():
         for n, _ in leaves:
-            if n.startswith(root):  # a deeper stack (experts in scanned layers) keeps its k
-                found[n] = max(found.get(n, 0), k)
+            if n.startswith(root):
+                found.setdefault(n, (axis,))
     return found
 
 
-def _stack_root(name: str, lead, leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
-    """The path prefix of the largest module around ``name`` whose every leaf's shape starts
-    with ``lead``, or ``None`` when even the innermost does not."""
+def _leading_first(axes: Axes) -> tuple[bool, int]:
+    """Which of two stacks a leaf keeps: leading axes before others, then more axes."""
+    return axes == tuple(range(len(axes))), len(axes)
+
+
+def _bias_stack(name, shape, leaves, model_dim) -> tuple[Axes, str | None]:
+    """A stacked bias's stack axes and the module its stack covers (``None``: no stack)."""
+    k = len(shape) - 1
+    lead = _stack_root(name, leaves, lambda s: len(s) > k and s[:k] == shape[:k])
+    if k != 1:
+        return tuple(range(k)), lead
+    last = _stack_root(name, leaves, lambda s: len(s) > 1 and s[1] == shape[1])
+    covers = [sum(n.startswith(r) for n, _ in leaves) if r is not None else 0 for r in (lead, last)]
+    if covers[1] > covers[0] or (covers[1] == covers[0] and shape[0] == model_dim != shape[1]):
+        return (1,), last
+    return (0,), lead
+
+
+def _named_stack_modules(leaves, model_dim) -> dict[str, int]:
+    """``{module prefix: stack axis}`` of modules named like a batch axis whose leaves all
+    share one size at exactly one axis (not the model width, not 1)."""
+    prefixes = set()
+    for name, _ in leaves:
+        parts = name.split("/")[:-1]
+        prefixes |= {
+            "/".join(parts[: i + 1]) + "/"
+            for i, part in enumerate(parts)
+            if part.lower() in BATCH_AXIS_NAMES
+        }
+    modules = {}
+    for prefix in sorted(prefixes):
+        shapes = [s for n, s in leaves if n.startswith(prefix)]
+        shared = [
+            p
+            for p in range(min(len(s) for s in shapes))
+            if len({s[p] for s in shapes}) == 1 and shapes[0][p] not in (1, model_dim)
+        ]
+        if len(shapes) >= 2 and len(shared) == 1:
+            modules[prefix] = shared[0]
+    return modules
+
+
+def shared_axis(
+    name: str, shape: Sequence[int], leaves, skip: Axes, model_dim: int | None
+) -> tuple[int, str] | None:
+    """An axis of a leaf (outside ``skip``, longer than 1, not the model width) that every leaf
+    of a module around it has with the same size, as a stack of layers would:
+    ``(axis, module prefix)``, or ``None``.
+
+    The module must hold leaves of different ranks (MLP kernels of 3 axes beside attention
+    kernels of 4): an attention module's einsum kernels of one rank share their heads axis.
+    """
+    for p, size in enumerate(shape):
+        if p in skip or size in (1, model_dim):
+            continue
+        root = _stack_root(name, leaves, lambda s, p=p, size=size: len(s) > p and s[p] == size)
+        ranks = {len(s) for n, s in leaves if root is not None and n.startswith(root)}
+        if len(ranks) >= 2:
+            return p, root
+    return None
+
+
+def _stack_root(name: str, leaves, fits) -> str | None:
+    """The path prefix of the largest module around ``name`` whose every leaf's shape ``fits``,
+    or ``None`` when even the innermost does not."""
     parts = name.split("/")
-    k, root = len(lead), None
+    root = None
     # The tree's root counts as a module only for a bias at the root ({"w": ..., "b": ...}).
     for depth in range(len(parts) - 1, 0 if len(parts) > 1 else -1, -1):
         prefix = "/".join(parts[:depth]) + "/" if depth else ""
-        members = [s for n, s in leaves if n.startswith(prefix)]
-        if not all(len(s) > k and s[:k] == lead for s in members):
+        if not all(fits(s) for n, s in leaves if n.startswith(prefix)):
             break
         root = prefix
     return root

@@ -8,10 +8,16 @@ speaks winning:
 1. a ``dims`` rule (:class:`lwjax.dims.MatrixDims`);
 2. a ``stacked`` rule, or an expert leaf (one stacked axis);
 3. flax logical axis names (:func:`lwjax.dims.dims_from_axis_names`);
-4. a scanned stack found in the tree (:func:`lwjax.dims.detect_stacks`);
-5. the shape alone: an expert-named path of 3+ axes stacks one more axis, and a
-   view of 3+ axes is split at the model dimension
+4. a scanned stack found in the tree (:func:`lwjax.dims.detect_stacks`), its stack
+   axes leading or not (MaxText's ``[embed, layers, mlp]``);
+5. the shape alone: an expert-named path of 3+ axes stacks one more axis, a conv
+   kernel (:func:`lwjax.dims.is_conv_kernel`) is no matrix without a ``dims`` rule,
+   and a view of 3+ axes is split at the model dimension
    (:func:`lwjax.dims.dims_from_model_dim`).
+
+A view whose batch axes do not lead keeps them as ``dims`` (their reduction and output
+axes empty where the rest is no matrix), so the optimizer reads the leaf with its stack
+first.
 """
 
 from __future__ import annotations
@@ -49,8 +55,9 @@ def matrix_view(
     is_expert: bool,
     rules: RoutingRules,
     *,
-    stacks: Mapping[str, int],
+    stacks: Mapping[str, Axes],
     model_dim: int | None,
+    matrix_convention: str = "in_out",
 ) -> MatrixView:
     """Decide a leaf's stacked axes and matrix axes (the precedence of the module docstring).
 
@@ -62,6 +69,8 @@ def matrix_view(
       rules: The routing rules (``dims`` and ``stacked`` are read here).
       stacks: The scanned stacks of the tree (:func:`lwjax.dims.detect_stacks`).
       model_dim: The model width that splits views of 3+ axes, or ``None``.
+      matrix_convention: ``"in_out"`` or ``"out_in"``, for the ``dims`` rule a conv
+        kernel's reason suggests.
 
     Raises:
       TypeError: A ``dims`` rule that gives no :class:`~lwjax.dims.MatrixDims`.
@@ -75,11 +84,17 @@ def matrix_view(
         named = _view_from_axis_names(name, shape, axis_names)
         if named is not None:
             return named
-        stack, why = _detected_stack(name, shape, stacks)
+        detected = _detected_stack(name, shape, stacks, model_dim)
+        if isinstance(detected, MatrixView):
+            return detected
+        stack, why = detected
     stack, why = _experts_by_name(name, shape, stack, why, is_expert)
     stack = _checked_stack(name, shape, stack)
     if len(shape) - stack < 3 or is_expert:
         return MatrixView(stack, None, why)
+    if dims_lib.is_conv_kernel(name, shape[stack:]):
+        conv = _conv_reason(shape, stack, matrix_convention)
+        return MatrixView(stack, None, _joined(why, conv), not_matrix=_joined(why, conv))
     found, split_why = dims_lib.dims_from_model_dim(shape, tuple(range(stack)), model_dim, name)
     return MatrixView(stack, found, _joined(why, split_why))
 
@@ -115,20 +130,44 @@ def _view_from_axis_names(name, shape, axis_names) -> MatrixView | None:
     decided, found, why = dims_lib.dims_from_axis_names(axis_names, shape, name)
     if not decided:
         return None
-    if found is None:  # no matrix; named batch axes in front still stack (no decay)
-        lead = 0
-        while lead < len(shape) - 1 and dims_lib.is_batch_axis_name(axis_names[lead]):
-            lead += 1
-        return MatrixView(lead, None, why, not_matrix=why)
+    if found is None:  # no matrix; named batch axes still stack (no decay), read first
+        batch = tuple(a for a, n in enumerate(axis_names) if dims_lib.is_batch_axis_name(n))
+        batch = batch[: len(shape) - 1]
+        if batch == tuple(range(len(batch))):
+            return MatrixView(len(batch), None, why, not_matrix=why)
+        rest = tuple(a for a in range(len(shape)) if a not in batch)
+        return MatrixView(len(batch), (batch, (), rest), why, not_matrix=why)
     return MatrixView(len(found[0]), found, why)
 
 
-def _detected_stack(name, shape, stacks: Mapping[str, int]) -> tuple[int | None, str]:
-    """The stack of a scanned module found in the tree, or ``None`` where none was."""
+def _detected_stack(name, shape, stacks: Mapping[str, Axes], model_dim: int | None):
+    """The stack of a scanned module found in the tree: ``(leading stack count, why)``
+    (``None`` where none was found), or the whole view where the stack axes do not lead."""
     if name not in stacks:
         return None, ""
-    stack = stacks[name]
-    return stack, f"scanned stack of {shape[:stack]} (a stacked bias or scale in its module)"
+    batch = stacks[name]
+    why = f"scanned stack of {tuple(shape[a] for a in batch)} on axes {batch} (found in its module)"
+    if batch == tuple(range(len(batch))):
+        return len(batch), why
+    rest = tuple(a for a in range(len(shape)) if a not in batch)
+    if len(rest) < 2:
+        return MatrixView(len(batch), (batch, (), rest), why, not_matrix=f"{why}; vectors")
+    if len(rest) == 2:
+        return MatrixView(len(batch), (batch, rest[:1], rest[1:]), why)
+    found, split_why = dims_lib.dims_from_model_dim(shape, batch, model_dim, name)
+    if found is None:  # no matrix: read with the stack first all the same
+        return MatrixView(len(batch), (batch, (), rest), why, not_matrix=_joined(why, split_why))
+    return MatrixView(len(batch), found, _joined(why, split_why))
+
+
+def _conv_reason(shape, stack: int, matrix_convention: str) -> str:
+    """Why a conv kernel goes to AdamW, and the ``dims`` rule that makes it one Muon matrix."""
+    dims = dims_lib.conv_dims(len(shape) - stack, matrix_convention)
+    if stack:
+        dims = MatrixDims(
+            tuple(a + stack for a in dims.reduction), tuple(a + stack for a in dims.output)
+        )
+    return f"a conv kernel: for one Muon matrix of it, give dims={dims}"
 
 
 def _experts_by_name(name, shape, stack: int | None, why: str, is_expert: bool):

@@ -43,7 +43,7 @@ class TreeContext:
     expert_parallel: int
     matrix_convention: str
     model_dim: int | None
-    stacks: Mapping[str, int]
+    stacks: Mapping[str, dims_lib.Axes]
 
 
 def route_leaf(
@@ -67,6 +67,7 @@ def route_leaf(
         rules,
         stacks=context.stacks,
         model_dim=context.model_dim,
+        matrix_convention=context.matrix_convention,
     )
     order = view = None
     if found.dims is not None:
@@ -148,11 +149,11 @@ def _check_muon(name, param_shape, stack: int, muon: bool, is_tied: bool) -> Non
 
 def _read_order(shape, stack: int, order, view, muon: bool):
     """``(stack, axes_order, view)`` as the route keeps them: ``None`` where the stored order
-    or shape is read, and no reordering for AdamW (elementwise updates need no view; leading
-    stacks stay)."""
+    or shape is read. AdamW (elementwise) reads only its stack axes first, the others in
+    stored order and unmerged, so a stack of vectors stays vectors (no weight decay)."""
     if not muon and order is not None:
-        stack = stack if order[:stack] == tuple(range(stack)) else 0
-        order = view = None
+        order = (*order[:stack], *sorted(order[stack:]))
+        view = tuple(shape[a] for a in order)
     if order == tuple(range(len(shape))):
         order = None
     if view == shape:

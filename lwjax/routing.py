@@ -135,18 +135,19 @@ def route_leaves(
     _check_options(rules, expert_parallel, matrix_convention)
     records = _leaf_records(leaves)
     shapes = [(name, shape) for name, shape, _, _ in records]
+    model_dim = rules.model_dim if rules.model_dim is not None else dims_lib.infer_model_dim(shapes)
     context = TreeContext(
         rules,
         expert_parallel,
         matrix_convention,
-        rules.model_dim if rules.model_dim is not None else dims_lib.infer_model_dim(shapes),
-        dims_lib.detect_stacks(shapes),
+        model_dim,
+        dims_lib.detect_stacks(shapes, model_dim),
     )
     routes = tuple(
         route_leaf(name, shape, str(getattr(dtype, "name", dtype)), axis_names, context)
         for name, shape, dtype, axis_names in records
     )
-    _warn_doubtful(routes)
+    _warn_doubtful(routes, shapes, model_dim, matrix_convention)
     return routes
 
 
@@ -186,27 +187,78 @@ def _leaf_records(
     return records
 
 
-def _warn_doubtful(routes: Sequence[LeafRoute]) -> None:
+def _warn_doubtful(
+    routes: Sequence[LeafRoute],
+    shapes: Sequence[tuple[str, tuple[int, ...]]],
+    model_dim: int | None,
+    convention: str,
+) -> None:
     """One warning per kind of likely-wrong route, naming the leaves."""
-    guessed = [r for r in routes if not r.why.startswith("is_muon rule")]
+    guessed = [r for r in routes if not r.why.startswith(("is_muon rule", "dims rule"))]
+    adamw = [r for r in guessed if not r.is_muon and len(r.shape) >= 3 and not _by_name(r)]
+    conv = [r for r in adamw if dims_lib.is_conv_kernel(r.path, r.shape)]
+    stacks = {r.path: found for r in guessed if (found := _suspected_stack(r, shapes, model_dim))}
     kinds = {
         "leaves of 3+ axes go to AdamW (give their matrix axes with dims=MatrixDims(...), "
         "or an is_muon rule to confirm)": [
-            r for r in guessed if not r.is_muon and len(r.shape) >= 3
+            (r, r.why) for r in adamw if r not in conv and sum(d > 1 for d in r.shape) >= 2
+        ],
+        f"conv kernels go to AdamW (for Muon, give their matrix axes, e.g. {_conv_rule(convention)}"
+        "; docs/routing.md, Conv nets)": [(r, "") for r in conv],
+        "leaves of 3+ axes are read as one matrix, but every leaf of their module has the same "
+        "size on one axis, as a stack of layers would (if it is one, make that axis a batch "
+        "axis: dims=MatrixDims(...), or stacked=... where it leads)": [
+            (r, stacks[r.path]) for r in guessed if r.path in stacks
         ],
         "leaves of 3+ axes are split at the model dimension by position only, no name telling "
         "which side it is on (check their view, or give dims=MatrixDims(...))": [
-            r for r in guessed if r.is_muon and "(by position)" in r.why and r.view is not None
+            (r, r.why)
+            for r in guessed
+            if r.is_muon and "(by position)" in r.why and r.view is not None
         ],
         "biases or scales go to Muon": [
-            r for r in routes if r.is_muon and dims_lib.is_bias_or_scale(r.path)
+            (r, r.why) for r in routes if r.is_muon and dims_lib.is_bias_or_scale(r.path)
         ],
         "embedding- or head-like names go to Muon": [
-            r for r in routes if r.is_muon and dims_lib.head_or_embedding_reason(r.path)
+            (r, r.why) for r in routes if r.is_muon and dims_lib.head_or_embedding_reason(r.path)
         ],
     }
     for what, found in kinds.items():
         if found:
-            listed = ", ".join(f"{r.path} {list(r.shape)} ({r.why})" for r in found[:6])
+            listed = ", ".join(
+                f"{r.path} {list(r.shape)}" + (f" ({why})" if why else "") for r, why in found[:6]
+            )
             more = f" and {len(found) - 6} more" if len(found) > 6 else ""
             warnings.warn(f"lwjax routing: {what}: {listed}{more}.", stacklevel=3)
+
+
+def _conv_rule(convention: str) -> str:
+    """The ``dims`` rule that makes 2-D conv kernels Muon matrices, as flax or torch store them."""
+    dims = dims_lib.conv_dims(4, convention)
+    if convention == "in_out":
+        return f'dims={{"*[Cc]onv*/kernel": {dims}}} for flax\'s [height, width, in, out]'
+    return f'dims={{"*[Cc]onv*weight": {dims}}} for torch\'s [out, in, height, width]'
+
+
+def _by_name(route: LeafRoute) -> bool:
+    """Whether a name, not a shape, sent the leaf to AdamW: a tied embedding, an embedding or
+    head, a bias or scale, or a vocab axis."""
+    return bool(
+        route.is_tied
+        or dims_lib.head_or_embedding_reason(route.path)
+        or dims_lib.is_bias_or_scale(route.path)
+        or "a vocab axis" in route.why
+    )
+
+
+def _suspected_stack(route: LeafRoute, shapes, model_dim) -> str | None:
+    """For a Muon leaf whose matrix merges several stored axes, why one of them looks like a
+    stack of layers (:func:`lwjax.dims.shared_axis`), or ``None``."""
+    if not route.is_muon or len(route.shape) - route.stack_dims < 3:
+        return None
+    batch = (route.axes_order or tuple(range(len(route.shape))))[: route.stack_dims]
+    found = dims_lib.shared_axis(route.path, route.shape, shapes, batch, model_dim)
+    if found is None:
+        return None
+    axis, module = found
+    return f"axis {axis} of size {route.shape[axis]}, as every leaf of {module or 'the tree'}"

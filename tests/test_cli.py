@@ -637,6 +637,21 @@ def test_version_prints_the_package_version(capsys):
     assert code == 0 and out == f"lwjax {lwjax.__version__}\n"
 
 
+def test_routes_shows_the_note_column_of_the_routing_table(tmp_path, capsys):
+    """``lwjax routes`` has the routing table's columns, the note (issue 45, item 5) among them."""
+    shapes = {"embed/table": [64, 16], "attn/kv_einsum/w": [2, 2, 16, 8], "mlp/up": [16, 32]}
+    (tmp_path / "shapes.json").write_text(json.dumps(shapes))
+    code, out, _ = _run(capsys, "routes", str(tmp_path / "shapes.json"), "--json")
+    notes = {r["path"]: r["note"] for r in json.loads(out)["routes"]}
+    assert code == 0 and notes == {
+        "embed/table": "",
+        "attn/kv_einsum/w": "k and v in one matrix (a dims= rule splits them)",
+        "mlp/up": "",
+    }
+    code, out, _ = _run(capsys, "routes", str(tmp_path / "shapes.json"))
+    assert code == 0 and "note" in out and "k and v in one matrix" in out
+
+
 def test_routes_prints_the_routing_table_of_a_shape_file_and_a_checkpoint(tmp_path, capsys):
     import jax
     import jax.numpy as jnp

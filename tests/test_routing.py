@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from lwjax import RoutingRules
 from lwjax.dims import MatrixDims
 from lwjax.routing import (
+    format_routing_table,
     is_embedding_or_output,
     param_specs,
     path_name,
@@ -34,9 +36,9 @@ def test_route_leaves_default_rule_matches_megatron():
             }
         ],
         "lm_head": {"kernel": jnp.zeros((8, 50))},
-        "conv": jnp.zeros((3, 3, 8, 8)),
+        "mixer": jnp.zeros((3, 3, 8, 8)),
     }
-    with pytest.warns(UserWarning, match=r"3\+ axes go to AdamW .*: conv \[3, 3, 8, 8\]"):
+    with pytest.warns(UserWarning, match=r"3\+ axes go to AdamW .*: mixer \[3, 3, 8, 8\]"):
         routes = {r.path: r for r in route_leaves(_records(tree))}
     assert routes["blocks/0/attn/wq"].is_muon
     for name in (
@@ -44,10 +46,10 @@ def test_route_leaves_default_rule_matches_megatron():
         "lm_head/kernel",
         "blocks/0/attn/bias",
         "blocks/0/norm/scale",
-        "conv",
+        "mixer",
     ):
         assert not routes[name].is_muon, name
-    assert "2 axes of the model dimension 8" in routes["conv"].why
+    assert "2 axes of the model dimension 8" in routes["mixer"].why
 
 
 def test_route_leaves_overrides_by_pattern_and_callable():
@@ -315,8 +317,8 @@ def test_routing_table_says_why():
         [("w", (8, 16), "float32"), ("b", (16,), "float32"), ("embed", (64, 8), "float32")]
     )
     rows = {row[0]: row for row in routing_table(routes)}
-    assert rows["w"] == ("w", "[8, 16]", "[8, 16]", "Muon", "2-D")
-    assert rows["b"][3:] == ("AdamW", "bias or scale")
+    assert rows["w"] == ("w", "[8, 16]", "[8, 16]", "Muon", "2-D", "")
+    assert rows["b"][3:] == ("AdamW", "bias or scale", "")
     assert rows["embed"][3] == "AdamW" and "embedding or head" in rows["embed"][4]
 
 
@@ -448,3 +450,139 @@ def test_by_role_orders_a_roles_matrices_by_layer_number_and_keeps_the_rest_in_p
         "layers_10/mlp/kernel",
         "layers_11/mlp/kernel",
     ]
+
+
+def _maxtext_block(layers="decoder/layers/", *, scale=True):
+    """MaxText's scanned decoder layer (``param_scan_axis=1``) without axis names: the layer
+    axis second in every leaf. Width 64, 3 layers, 4 heads of 16, MLP 128."""
+    leaves = [
+        ("token_embedder/embedding", (256, 64)),
+        (layers + "mlp/wi/kernel", (64, 3, 128)),
+        (layers + "mlp/wo/kernel", (128, 3, 64)),
+        *(
+            (f"{layers}self_attention/{p}/kernel", (64, 3, 4, 16))
+            for p in ("query", "key", "value")
+        ),
+        (layers + "self_attention/out/kernel", (4, 3, 16, 64)),
+        *([(layers + "pre_self_attention_layer_norm/scale", (64, 3))] if scale else []),
+        ("decoder/decoder_norm/scale", (64,)),
+        ("decoder/logits_dense/kernel", (64, 256)),
+    ]
+    return [(n, s, "float32") for n, s in leaves]
+
+
+def test_a_stack_axis_in_the_middle_is_found_from_a_stacked_scale_or_a_layers_module():
+    """Issue 45, item 1: each kernel is 3 matrices, not one [64, 384] / [192, 64] matrix."""
+    expected = {
+        "mlp/wi/kernel": (3, 64, 128),
+        "mlp/wo/kernel": (3, 128, 64),
+        **{f"self_attention/{p}/kernel": (3, 64, 64) for p in ("query", "key", "value")},
+        "self_attention/out/kernel": (3, 64, 64),
+    }
+    for layers, scale in (("decoder/layers/", True), ("decoder/layers/", False),
+                          ("decoder/blocks/", True)):  # fmt: skip
+        routes = {r.path: r for r in route_leaves(_maxtext_block(layers, scale=scale))}
+        views = {p: routes[layers + p].view for p in expected}
+        assert views == expected, (layers, scale)
+        assert all(routes[layers + p].num_params == 3 for p in expected)
+        assert routes[layers + "mlp/wi/kernel"].axes_order == (1, 0, 2)
+        assert routes[layers + "self_attention/out/kernel"].axes_order == (1, 0, 2, 3)
+        if scale:  # 3 vectors of 64, read with the stack first: no weight decay
+            norm = routes[layers + "pre_self_attention_layer_norm/scale"]
+            assert (norm.is_muon, norm.stack_dims, norm.param_shape) == (False, 1, (64,))
+            assert norm.axes_order == (1, 0)
+
+
+def test_a_middle_stack_axis_that_nothing_confirms_is_warned():
+    """No stacked scale and no ``layers`` module: the kernels stay einsum matrices, but the
+    shared axis of size 3 is named in a warning, with the rule that fixes it."""
+    with pytest.warns(UserWarning, match=r"as a stack of layers would.*dims=MatrixDims") as caught:
+        routes = {r.path: r for r in route_leaves(_maxtext_block("decoder/blocks/", scale=False))}
+    assert routes["decoder/blocks/mlp/wi/kernel"].view == (64, 384)
+    message = str(caught[0].message)
+    assert "decoder/blocks/mlp/wi/kernel [64, 3, 128] (axis 1 of size 3" in message
+    rules = RoutingRules(dims={"*/wi/kernel": MatrixDims(0, 2), "*/wo/kernel": MatrixDims(0, 2),
+                               "*/out/kernel": MatrixDims((0, 2), 3),
+                               "*_attention/*/kernel": MatrixDims(0, (2, 3))})  # fmt: skip
+    routes = {
+        r.path: r for r in route_leaves(_maxtext_block("decoder/blocks/", scale=False), rules)
+    }
+    assert routes["decoder/blocks/self_attention/query/kernel"].view == (3, 64, 64)
+    assert routes["decoder/blocks/self_attention/out/kernel"].view == (3, 64, 64)
+
+
+def test_conv_kernels_are_warned_with_the_rule_and_the_model_width_is_no_kernel_size():
+    """Issue 45, item 2: a conv net's 3x3 kernels do not make the model width 3; each conv
+    kernel is named, with the dims rule that makes it a Muon matrix."""
+    leaves = [("conv_init/kernel", (7, 7, 3, 8))]
+    for i, (cin, cout) in enumerate(((8, 8), (8, 16), (16, 16))):
+        leaves += [(f"block_{i}/Conv_0/kernel", (3, 3, cin, cout)),
+                   (f"block_{i}/Conv_1/kernel", (3, 3, cout, cout)),
+                   (f"block_{i}/BatchNorm_0/scale", (cout,))]  # fmt: skip
+    leaves += [("Dense_0/kernel", (16, 10)), ("Dense_0/bias", (10,))]
+    records = [(n, s, "float32") for n, s in leaves]
+    with pytest.warns(UserWarning, match=r"conv kernels go to AdamW") as caught:
+        routes = {r.path: r for r in route_leaves(records)}
+    message = str(caught[0].message)
+    assert 'dims={"*[Cc]onv*/kernel": MatrixDims((0, 1, 2), 3)}' in message
+    assert "block_0/Conv_0/kernel [3, 3, 8, 8]" in message and "conv_init" in message
+    assert not any("model dimension 3" in r.why for r in routes.values())
+    assert "dims=MatrixDims((0, 1, 2), 3)" in routes["block_1/Conv_0/kernel"].why
+    with pytest.warns(UserWarning, match=r'"\*\[Cc\]onv\*weight": MatrixDims\(\(1, 2, 3\), 0\)'):
+        torch = route_leaves(
+            [("conv1.weight", (8, 4, 3, 3), "float32")], matrix_convention="out_in"
+        )
+    assert "dims=MatrixDims((1, 2, 3), 0)" in torch[0].why
+    rules = RoutingRules(dims={"*[Cc]onv*/kernel": MatrixDims((0, 1, 2), 3)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = {r.path: r for r in route_leaves(records, rules)}
+    assert fixed["block_1/Conv_0/kernel"].view == (72, 16)
+    assert fixed["conv_init/kernel"].view == (147, 8)
+
+
+def test_min_gpt_embeddings_and_vit_tokens_are_not_muon_and_not_warned():
+    """Issue 45, item 5: ``tok_emb``/``pos_emb`` are embeddings by name, a ``cls`` token
+    ``[1, 1, D]`` is a vector, and leaves routed to AdamW by name raise no 3+-axis warning."""
+    leaves = [
+        ("tok_emb/weight", (64, 32)),
+        ("pos_emb", (1, 16, 32)),
+        ("cls", (1, 1, 32)),
+        ("Transformer/posembed_input/pos_embedding", (1, 17, 32)),
+        ("embedding/kernel", (4, 4, 3, 32)),  # ViT's patch embedding, a conv named so
+        ("blocks/0/attn/c_attn/weight", (32, 96)),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routes = {r.path: r for r in route_leaves([(n, s, "float32") for n, s in leaves])}
+    assert {p for p, r in routes.items() if r.is_muon} == {"blocks/0/attn/c_attn/weight"}
+    assert "embedding or head" in routes["tok_emb/weight"].why
+    assert "a vector" in routes["cls"].why
+
+
+def test_routing_table_notes_qkv_splits_and_fused_kernels_kept_whole():
+    """Issue 45, item 5: the table says which projections a fused leaf holds, and whether
+    Muon takes them apart."""
+    leaves = [("embed", (256, 32)), ("attn/q_einsum/w", (4, 32, 8)),
+              ("attn/kv_einsum/w", (2, 2, 32, 8)), ("mlp/gating_einsum", (2, 64, 32)),
+              ("attn/qkv/kernel", (32, 96)), ("mlp/linear", (64, 32))]  # fmt: skip
+    records = [(n, s, "float32") for n, s in leaves]
+    notes = {row[0]: row[5] for row in routing_table(route_leaves(records))}
+    assert notes == {
+        "embed": "",
+        "attn/q_einsum/w": "",
+        "attn/kv_einsum/w": "k and v in one matrix (a dims= rule splits them)",
+        "mlp/gating_einsum": "gate and up in one matrix (a dims= rule splits them)",
+        "attn/qkv/kernel": "q, k and v in one matrix (qkv_split= splits them)",
+        "mlp/linear": "",
+    }
+    rules = RoutingRules(qkv_split={"attn/qkv/*": (16, 8, 8)},
+                         dims={"*/kv_einsum/w": MatrixDims(2, (1, 3))})  # fmt: skip
+    routes = route_leaves(records, rules)
+    notes = {row[0]: row[5] for row in routing_table(routes)}
+    assert notes["attn/qkv/kernel"] == "q, k, v apart (qkv_split: 16+8+8 output rows per group)"
+    assert notes["attn/kv_einsum/w"] == "k and v apart (axis 0 is a batch axis)"
+    text = format_routing_table(routes)
+    assert text.splitlines()[0].split() == ["path", "shape", "matrix", "view", "optimizer",
+                                            "note", "why"]  # fmt: skip
+    assert "k and v apart (axis 0 is a batch axis)" in text

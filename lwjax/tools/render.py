@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
+from lwjax.routing_table import COLUMNS
 from lwjax.tools.fit_table import Column, FitTable
 
 NEEDS_TOOLS_EXTRA = "this command needs the tools extra: pip install 'lwjax[tools]'"
@@ -115,18 +116,23 @@ def print_json(obj) -> None:
 # --------------------------------------------------------------------------- routes
 
 
+# how each routing-table column (lwjax.routing_table.COLUMNS) fits a narrow console
+_ROUTE_COLUMNS_FIT = {
+    "path": {"fold": True},
+    "shape": {"drop": 1},
+    "matrix view": {"drop": 2},
+    "optimizer": {},
+    "why": {"fold": True},
+    "note": {"fold": True, "drop": 3},
+}
+
+
 def print_routes(rows: Sequence[tuple], source: str, convention: str, muon_fraction: float) -> None:
     """The routing table (:func:`lwjax.routing.routing_table` rows) and the Muon share."""
     out = console()
     result = table(
         f"Routing of {source} (matrix_convention={convention})",
-        (
-            Column("path", text=True, fold=True),
-            Column("shape", text=True, drop=1),
-            Column("matrix view", text=True, drop=2),
-            Column("optimizer", text=True),
-            Column("why", text=True, fold=True),
-        ),
+        [Column(name, text=True, **_ROUTE_COLUMNS_FIT[name]) for name in COLUMNS],
     )
     for row in rows:
         result.add_row(*row)

@@ -32,6 +32,13 @@ def lm1b_models() -> types.ModuleType:
 
 
 @functools.cache
+def imagenet_models() -> types.ModuleType:
+    """flax ``examples/imagenet/models.py``: ``ResNet``, ``ResNetBlock``, ``ResNet18``, ...
+    (linen, with ``nn.BatchNorm``)."""
+    return importlib.import_module(f"{__package__}.flax_imagenet.models")
+
+
+@functools.cache
 def gemma_modules() -> types.SimpleNamespace:
     """flax ``examples/gemma`` modules by file name: ``.transformer.Transformer``,
     ``.transformer_cfg.TransformerConfig``, ``.modules``, ``.layers``, ... (nnx)."""

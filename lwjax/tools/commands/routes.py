@@ -46,6 +46,7 @@ def _records(source: str) -> tuple[list[tuple[str, tuple[int, ...], str]], str |
 def _cmd_routes(args: argparse.Namespace) -> int:
     """Route a model's parameters by the default rules and show the table."""
     from lwjax.routing import RoutingRules, route_leaves, routing_table
+    from lwjax.routing_table import COLUMNS
 
     records, recorded = _records(args.source)
     convention = args.matrix_convention or recorded or "in_out"
@@ -55,7 +56,7 @@ def _cmd_routes(args: argparse.Namespace) -> int:
     muon = sum(math.prod(r.shape) for r in routes if r.is_muon)
     total = sum(math.prod(r.shape) for r in routes) or 1
     if args.json:
-        keys = ("path", "shape", "matrix_view", "optimizer", "why")
+        keys = tuple(column.replace(" ", "_") for column in COLUMNS)
         print_json(
             {
                 "matrix_convention": convention,
