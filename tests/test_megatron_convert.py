@@ -396,6 +396,21 @@ def test_tied_embeddings_route_to_adam_and_export_without_an_output_layer(tmp_pa
     assert np.isfinite(float(gpt_loss(params, (tokens, tokens), config)))
 
 
+def test_cli_convert_needs_no_extra(tmp_path, capsys, monkeypatch):
+    """Reading Megatron needs neither extra: without rich (the tools extra) ``lwjax convert``
+    converts and lists the parameters as plain text, where it used to refuse."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich raises ImportError
+    assert main(["convert", str(FIXTURES / "adam_ws2"), str(tmp_path / "lw")]) == 0
+    out = capsys.readouterr().out
+    assert "(megatron) ->" in out and "9 parameters" in out
+    line = next(x for x in out.splitlines() if x.startswith("decoder.layers.mlp.linear_fc1.weight"))
+    assert line.split() == ["decoder.layers.mlp.linear_fc1.weight", "2×256×64", "bfloat16"] + [
+        "master,", "exp_avg,", "exp_avg_sq"
+    ]  # fmt: skip
+
+
 def test_cli_convert_prints_a_summary_and_reports_errors(tmp_path, capsys):
     assert main(["convert", str(FIXTURES / "adam_ws2"), str(tmp_path / "w.safetensors")]) == 0
     out = capsys.readouterr().out

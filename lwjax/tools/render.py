@@ -25,6 +25,15 @@ from lwjax.tools.fit_table import Column, FitTable
 NEEDS_TOOLS_EXTRA = "this command needs the tools extra: pip install 'lwjax[tools]'"
 
 
+def has_rich() -> bool:
+    """Whether ``rich`` (the ``tools`` extra) can be imported."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def require_rich() -> None:
     """Raise the usage error of a command that renders when ``rich`` is not installed.
 
@@ -32,10 +41,8 @@ def require_rich() -> None:
       ValueError: ``rich`` (the ``tools`` extra) cannot be imported; the CLI
         prints ``lwjax <command>: <message>`` and exits with status 2.
     """
-    try:
-        import rich  # noqa: F401
-    except ImportError:
-        raise ValueError(NEEDS_TOOLS_EXTRA) from None
+    if not has_rich():
+        raise ValueError(NEEDS_TOOLS_EXTRA)
 
 
 # --------------------------------------------------------------------------- numbers
@@ -345,6 +352,24 @@ def convert_json(summary) -> dict:
             {"key": k, "shape": list(s), "dtype": d, "state": st} for k, s, d, st in summary.rows
         ],
     }
+
+
+def convert_text(summary) -> str:
+    """A conversion's parameters as plain aligned text (what ``lwjax convert`` prints without
+    ``rich``): a title line, one line per parameter, the total and the source notes."""
+    rows = [
+        (key, "×".join(map(str, shape)), dtype, state) for key, shape, dtype, state in summary.rows
+    ]
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
+    numel = sum(math.prod(shape) for _, shape, _, _ in summary.rows)
+    lines = [
+        f"{summary.src} ({summary.source}) -> {summary.dst} ({summary.target}) · "
+        f"iteration {summary.iteration} · {summary.seconds:.2f} s",
+        *("  ".join(cell.ljust(w) for cell, w in zip(row, (*widths, 0))).rstrip() for row in rows),
+        f"{len(summary.rows)} parameters, {count(numel)} elements",
+    ]
+    notes = ", ".join(f"{k} {v}" for k, v in summary.notes.items() if v is not None)
+    return "\n".join(lines + ([f"source: {notes}"] if notes else []))
 
 
 def print_convert(out, summary) -> None:

@@ -2,14 +2,23 @@
 
 Builds a :class:`~lwjax.megatron.convert.ConvertConfig` and runs
 :func:`~lwjax.megatron.convert.convert` under a progress bar, then prints a
-table of the converted parameters (or, ``--json``, the summary).
+table of the converted parameters (or, ``--json``, the summary; without the
+``tools`` extra, the same parameters as plain text).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from lwjax.tools.render import console, convert_json, convert_progress, print_convert, print_json
+from lwjax.tools.render import (
+    console,
+    convert_json,
+    convert_progress,
+    convert_text,
+    has_rich,
+    print_convert,
+    print_json,
+)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -29,6 +38,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     )
     if args.json:
         print_json(convert_json(convert(config)))
+        return 0
+    if not has_rich():  # reading Megatron needs no extra: plain text without the tools extra
+        print(convert_text(convert(config)))
         return 0
     out = console()
     with convert_progress(out) as report:
