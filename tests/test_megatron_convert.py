@@ -20,6 +20,7 @@ from lwjax.megatron import (
     GPTConfig,
     convert,
     gpt_loss,
+    import_megatron,
     logical_to_megatron,
     megatron_to_logical,
     read_megatron,
@@ -607,3 +608,23 @@ def test_torch_dist_export_reads_back_identically_with_torch(tmp_path):
         assert set(x) == set(y) and all(x[k].tobytes() == y[k].tobytes() for k in x), kind
     assert again.hyperparameters["muon"]["momentum"] == 0.95 and again.adam_step == 2
     assert again.source["optimizer_sharding"] == "fully_reshardable"
+
+
+@pytest.mark.parametrize("name", ["muonL_ws2", "adam_ws2"])
+def test_cli_routes_shows_the_routing_the_import_uses(name, tmp_path, capsys):
+    """``lwjax routes`` on a Megatron checkpoint, and on the lwjax checkpoint converted from it,
+    gives the routing ``import_megatron`` builds its optimizer with (Muon only on the decoder
+    matrices of a Muon run, q/k/v apart, one matrix per layer), not lwjax's default rules."""
+    from lwjax.routing_table import COLUMNS, routing_table
+
+    imported = import_megatron(FIXTURES / name)
+    opt = imported.optimizer(Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    keys = [column.replace(" ", "_") for column in COLUMNS]
+    want = {row[0]: dict(zip(keys, row)) for row in routing_table(opt.plan.routes)}
+    assert main(["convert", str(FIXTURES / name), str(tmp_path / "lw")]) == 0
+    capsys.readouterr()
+    for source in (FIXTURES / name, tmp_path / "lw"):
+        assert main(["routes", str(source), "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert "import_megatron" in shown["routing"]
+        assert {row["path"]: row for row in shown["routes"]} == want, source

@@ -134,8 +134,11 @@ _ROUTE_COLUMNS_FIT = {
 }
 
 
-def print_routes(rows: Sequence[tuple], source: str, convention: str, muon_fraction: float) -> None:
-    """The routing table (:func:`lwjax.routing.routing_table` rows) and the Muon share."""
+def print_routes(
+    rows: Sequence[tuple], source: str, convention: str, muon_fraction: float, routing: str
+) -> None:
+    """The routing table (:func:`lwjax.routing.routing_table` rows), the rules that made it
+    and the Muon share."""
     out = console()
     result = table(
         f"Routing of {source} (matrix_convention={convention})",
@@ -144,7 +147,7 @@ def print_routes(rows: Sequence[tuple], source: str, convention: str, muon_fract
     for row in rows:
         result.add_row(*row)
     out.print(result)
-    out.print(f"{pct(100 * muon_fraction)} of the elements are on Muon.")
+    out.print(f"Routed by {routing}; {pct(100 * muon_fraction)} of the elements are on Muon.")
 
 
 # --------------------------------------------------------------------------- bench
