@@ -289,6 +289,11 @@ def test_import_continues_with_tensor_parallelism_as_without():
     assert [x.sharding.spec for x in jax.tree.leaves(params)] == specs
     with pytest.raises(ValueError, match="tensor_axis='mp' is not an axis of the mesh"):
         imported.optimizer(grid, tensor_axis="mp", muon=muon)
+    too_many = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("dp", "tp"))  # 2 query groups
+    with pytest.raises(
+        ValueError, match=r"4 devices.*num_query_groups=2.*fit this model: \[1, 2\]"
+    ):
+        imported.optimizer(too_many, tensor_axis="tp", muon=muon)
     other = megatron_to_logical(read_megatron(FIXTURES / "tied_adam_ws1"))  # no output layer
     with pytest.raises(ValueError, match="built for another parameter tree"):
         other.state(opt)

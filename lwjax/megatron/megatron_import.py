@@ -239,6 +239,7 @@ class MegatronImport:
                     f"MegatronImport.optimizer: tensor_axis={tensor_axis!r} is not an axis of "
                     f"the mesh {dict(mesh.shape)}."
                 )
+            _check_tensor_parallel_size(self.config, tensor_axis, mesh.shape[tensor_axis])
             params = jax.tree.map(
                 lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                 self.params,
@@ -265,6 +266,28 @@ class MegatronImport:
             )
         placed = [jax.device_put(x, shardings[r.path]) for x, r in zip(flat, optimizer.plan.routes)]
         return jax.tree_util.tree_unflatten(treedef, placed), from_logical(optimizer, self.logical)
+
+
+def _check_tensor_parallel_size(config: GPTConfig, axis: str, size: int) -> None:
+    """Megatron's own conditions on a tensor-parallel size: it divides the query groups (each
+    rank holds whole groups of ``linear_qkv``), the attention heads, the fc1 width and the
+    vocabulary."""
+    counts = {
+        "num_query_groups": config.num_query_groups,
+        "num_attention_heads": config.num_attention_heads,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+    wrong = {name: count for name, count in counts.items() if count % size}
+    if wrong:
+        fits = [d for d in range(1, config.num_query_groups + 1) if not any(
+            c % d for c in counts.values()
+        )]  # fmt: skip
+        raise ValueError(
+            f"MegatronImport.optimizer: the mesh's {axis!r} axis has {size} devices, which does "
+            f"not divide {', '.join(f'{k}={v}' for k, v in wrong.items())} (Megatron splits "
+            f"whole query groups over tensor-parallel ranks); sizes that fit this model: {fits}."
+        )
 
 
 def gpt_config_of(
