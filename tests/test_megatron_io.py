@@ -63,6 +63,8 @@ def test_fixtures_are_all_present():
         "muonL_tp2",
         "muonL_ws1",
         "muonL_ws2",
+        "pp2_adam",
+        "pp2_muon",
         "resume_adam",
         "resume_muon",
         "tied_adam_ws1",

@@ -79,16 +79,21 @@ def unflatten_buffers(
     tp: int,
     args: Mapping,
     where: str,
+    *,
+    pp: int = 1,
 ) -> tuple[dict[str, dict], str]:
     """Cut DistributedOptimizer flat buffers into per-parameter arrays.
 
     Args:
-      buffers: ``(tp_rank, gbuf) -> [bucket {"param"|"exp_avg"|"exp_avg_sq": flat}]``.
+      buffers: ``(model-parallel rank, gbuf) -> [bucket {"param"|"exp_avg"|"exp_avg_sq":
+        flat}]``; model-parallel rank ``stage * tp + tp_rank`` holds the parameters of that
+        pipeline stage (:func:`lwjax.megatron.names.pipeline_stage`).
       gbuf_dtypes: ``gbuf -> numpy dtype name`` of its parameters.
       model: Global stacked model weights (for shapes and the master check).
       orders: Candidate definition orders ``name -> [(key, layer)]``; the first
         whose masters round to the model wins.
       exclude: Stacked keys not in these buffers (Muon parameters).
+      pp: Pipeline size, the layers split evenly over the stages.
 
     Returns:
       ``({"masters"|"exp_avg"|"exp_avg_sq": {key: global stacked array}}, order name)``.
@@ -98,7 +103,7 @@ def unflatten_buffers(
     for order_name, order in orders.items():
         members = [(k, i) for k, i in order if k not in exclude]
         try:
-            pieces = _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp, args)
+            pieces = _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp, pp, args)
             merged = _merged_and_checked(pieces, per_layer_model, is_glu(args))
         except _WrongOrder as problem:
             failures.append(f"{order_name} order: {problem}")
@@ -115,20 +120,29 @@ class _WrongOrder(Exception):
     """The buffers do not fit a candidate order; the message says where."""
 
 
-def _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp: int, args) -> dict:
+def _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp: int, pp: int, args) -> dict:
     """Per kind, ``(key, layer) -> [piece of each tensor-parallel rank]`` cut from the
-    buffers at the layout re-derived for ``members`` (one definition order).
+    buffers at the layout re-derived for ``members`` (one definition order), each
+    model-parallel rank's buffers from the members of its pipeline stage.
     """
     pieces: dict[str, dict[tuple, list]] = {kind: {} for kind in FLAT_KINDS.values()}
-    for (rank, gbuf), buckets in sorted(buffers.items()):
+    layers = {w.shape[0] for k, w in model.items() if names_lib.is_layer_key(k)}
+    num_layers = max(layers, default=0)
+    for (mp_rank, gbuf), buckets in sorted(buffers.items()):
         dtype = gbuf_dtypes[gbuf]
-        mine = [(k, i) for k, i in members if model[k].dtype.name == dtype]
+        stage, rank = divmod(mp_rank, tp)
+        mine = [
+            (k, i)
+            for k, i in members
+            if model[k].dtype.name == dtype
+            and names_lib.pipeline_stage(k, i, num_layers, pp) == stage
+        ]
         specs = [
             ParamSpec(
                 name=f"{k}#{i}",
                 dtype=dtype,
                 # A tied embedding is not isolated: Megatron sets shared_embedding only at
-                # pipeline size > 1, whose flat buffers the readers refuse.
+                # pipeline size > 1, where the readers refuse tied flat buffers.
                 shape=names_lib.tp_local_shape(k, per_layer_model[(k, i)].shape, tp),
             )
             for k, i in mine
@@ -139,7 +153,7 @@ def _cut(buffers, gbuf_dtypes, model, per_layer_model, members, tp: int, args) -
         )
         if list(layout.per_bucket_numel_unpadded) != sizes:
             raise _WrongOrder(
-                f"buffer {gbuf} of tensor-parallel rank {rank}: re-derived bucket sizes "
+                f"buffer {gbuf} of model-parallel rank {mp_rank}: re-derived bucket sizes "
                 f"{list(layout.per_bucket_numel_unpadded)} differ from the stored {sizes}"
             )
         for spec, (k, i) in zip(specs, mine):

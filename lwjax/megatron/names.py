@@ -157,6 +157,16 @@ def definition_order(
     return order
 
 
+def pipeline_stage(key: str, layer: int | None, num_layers: int, pp: int) -> int:
+    """The pipeline stage that holds parameter ``(key, layer)`` when Megatron splits
+    ``num_layers`` evenly over ``pp`` stages: layer ``i`` on stage ``i // (num_layers / pp)``,
+    the embedding on the first stage, the final norm and the output layer on the last.
+    """
+    if layer is not None:
+        return layer // (num_layers // pp)
+    return 0 if key in BEFORE_LAYERS else pp - 1
+
+
 def tp_kind(key: str) -> str:
     """How tensor parallelism splits a parameter: ``rows``, ``glu``, ``columns``, ``vocab``
     or ``replicated``.

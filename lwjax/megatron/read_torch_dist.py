@@ -130,16 +130,14 @@ def _unflatten_into(
     return the source entries they add (``tp``, ``layer_spec``).
     """
     tp = int(args.get("tensor_model_parallel_size") or len({r for r, _ in buffers}))
-    if int(args.get("pipeline_model_parallel_size") or 1) > 1:
-        raise ValueError(
-            f"{directory}: flat (dp_reshardable) optimizer buffers of a pipeline-parallel run "
-            "are not supported; save with --dist-ckpt-optim-fully-reshardable."
-        )
+    pp = _pipeline_size(args, state["model"], directory)
     ranks = sorted({r for r, _ in buffers})
-    if tp != len(ranks) or ranks != list(range(tp)):  # tp comes from the file: no range(tp)
+    # tp and pp come from the file: no range(tp * pp)
+    if tp * pp != len(ranks) or ranks != list(range(len(ranks))):
         raise ValueError(
-            f"{directory}: flat optimizer buffers for dp groups {ranks}; "
-            f"expected one per tensor-parallel rank 0..{tp - 1}."
+            f"{directory}: flat optimizer buffers for dp groups {ranks}; expected one per "
+            f"tensor-parallel rank of each pipeline stage, 0..{tp * pp - 1} "
+            f"(tensor-parallel size {tp} x pipeline size {pp})."
         )
     model = state["model"]
     ordered = {rg: [b[i] for i in sorted(b)] for rg, b in buffers.items()}
@@ -152,10 +150,49 @@ def _unflatten_into(
         tp,
         args,
         str(directory),
+        pp=pp,
     )
     for kind, values in flat.items():
         state[kind].update(values)
-    return {"tp": tp, "layer_spec": order_name}
+    return {"tp": tp, "pp": pp, "layer_spec": order_name}
+
+
+# Megatron-LM arguments that place layers or chunks other than an even split over the stages
+_UNEVEN_PIPELINE_ARGS = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "virtual_pipeline_model_parallel_size",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def _pipeline_size(args: Mapping, model: Mapping, directory: pathlib.Path) -> int:
+    """The pipeline size the flat buffers were written at (``args``), checked to be a split
+    the buffers can be cut by: layers spread evenly, one model chunk per stage, untied.
+    """
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    if pp == 1:
+        return 1
+    uneven = [name for name in _UNEVEN_PIPELINE_ARGS if args.get(name)]
+    layers = {w.shape[0] for k, w in model.items() if names_lib.is_layer_key(k)}
+    problem = None
+    if uneven:
+        problem = f"args {uneven} place the layers other than evenly"
+    elif len(layers) != 1 or layers.pop() % pp:
+        problem = f"the layers do not split evenly into pipeline size {pp}"
+    elif "output_layer.weight" not in model:
+        problem = "the embedding is tied to the output layer (a copy on the last stage)"
+    if problem:
+        raise ValueError(
+            f"{directory}: flat (dp_reshardable) optimizer buffers of a pipeline-parallel run "
+            f"whose {problem} are not supported; save with "
+            "--dist-ckpt-optim-fully-reshardable for per-parameter optimizer keys."
+        )
+    return pp
 
 
 def _flat_orders(model: Mapping[str, np.ndarray]) -> dict[str, list[tuple[str, int | None]]]:
