@@ -23,12 +23,25 @@ from lwjax.megatron.dcp import load_dcp
 from lwjax.megatron.export_records import advanced_records
 from lwjax.megatron.gpt import keys_from_tree
 
-RUNS = {"export_muon": "resume_muon", "export_adam": "resume_adam"}
+RUNS = {
+    "export_muon": "resume_muon",
+    "export_adam": "resume_adam",
+    # megatron-core loaded these at pipeline size 2 on two ranks, as the runs were made
+    "export_pp2_muon": "pp2_muon",
+    "export_pp2_adam": "pp2_adam",
+}
 # Megatron's iteration 5 against lwjax's from the same file, each parameter's difference in norm
 # over the norm of Megatron's step: at most 2.5e-4 (Adam) and 1.6e-5 (Muon) measured under the
 # test session's XLA flags (no LLVM optimisation); with XLA's default flags every master is
 # within 2.5e-7 of Megatron's
 STEP_RTOL = 1e-3
+# The pipeline-parallel Muon export's iteration 5 (loss equal to the last bit) has a gradient
+# norm 1.1e-5 from Megatron's under either set of XLA flags, and Newton–Schulz turns that into
+# 2.9% of the first layer's linear_proj step (1% of the second's, under 0.3% elsewhere).
+# Megatron at pipeline size 1 loading the same export gives the pipeline run's norm to 1e-9:
+# the gap is lwjax's bf16 backward at these weights, not the pipeline or the load.
+NORM_RTOL = {"export_pp2_muon": 2e-5}
+STEP_RTOLS = {"export_pp2_muon": 5e-2}
 
 
 def _iteration_dir(directory: pathlib.Path) -> pathlib.Path:
@@ -50,8 +63,12 @@ def test_lwjax_writes_what_megatron_loaded(exported):
     (made under this test session's XLA flags): a change to the export (a param-group field, a
     counter, a key, a number) shows here before it reaches a Megatron run.
     """
-    name, directory, _ = exported
+    name, directory, (imported, *_) = exported
     want = load_dcp(_iteration_dir(FIXTURES / name / "export"))
+    common = next(v for k, v in want.items() if k.startswith("common_state"))
+    assert common["args"].pipeline_model_parallel_size == imported.args.get(
+        "pipeline_model_parallel_size", 1
+    )
     got = load_dcp(_iteration_dir(directory))
     assert sorted(got) == sorted(want)
     for key, value in want.items():
@@ -73,7 +90,7 @@ def test_megatron_reads_the_counters_and_schedule_lwjax_moved_on(exported):
     record = np.load(FIXTURES / RUNS[name] / "resume.npz")
     assert int(continued["iteration"]) == 4
     assert int(continued["consumed_train_samples"]) == 4 * imported.args["global_batch_size"]
-    column = 0 if name == "export_muon" else 1  # the Muon group, else an Adam group
+    column = 0 if name.endswith("muon") else 1  # the Muon group, else an Adam group
     np.testing.assert_allclose(continued["lr"][column], record["lr/5"][column], rtol=1e-12)
     np.testing.assert_allclose(continued["wd"][column], record["wd/5"][column], rtol=1e-12)
 
@@ -144,7 +161,8 @@ def test_megatrons_next_iteration_from_the_export_is_lwjaxs(name):
     step = lwjax.make_train_step(imported.loss_fn(), opt)
     params, state, metrics = step(params, state, batch(record, 5))
     assert abs(float(metrics["loss"]) - float(continued["loss"])) <= 1e-6
-    assert abs(float(metrics["grad_norm"]) / float(continued["grad_norm"]) - 1) <= 1e-6
+    norm_apart = abs(float(metrics["grad_norm"]) / float(continued["grad_norm"]) - 1)
+    assert norm_apart <= NORM_RTOL.get(name, 1e-6), norm_apart
     after = keys_from_tree(to_logical(opt, state).masters)
     checked = [entry for entry in continued.files if entry.startswith("master/")]
     assert sorted(e[len("master/") :] for e in checked) == sorted(after)
@@ -154,7 +172,7 @@ def test_megatrons_next_iteration_from_the_export_is_lwjaxs(name):
         update = continued[entry] - before[key]  # Megatron's step
         apart = np.linalg.norm(np.asarray(after[key]) - continued[entry]) / np.linalg.norm(update)
         worst = max(worst, apart)
-    assert worst <= STEP_RTOL, worst
+    assert worst <= STEP_RTOLS.get(name, STEP_RTOL), worst
 
 
 def test_counters_move_on_from_the_imported_args_or_else_the_scheduler():

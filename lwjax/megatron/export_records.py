@@ -81,7 +81,9 @@ def megatron_args(state: MegatronState, config: GPTConfig | None) -> dict:
     args.update(
         ckpt_format="torch_dist",
         tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
+        # the global tensors load at any pipeline size; the imported run's stays, which
+        # Megatron-LM's --use-checkpoint-args resumes at
+        pipeline_model_parallel_size=int(args.get("pipeline_model_parallel_size") or 1),
         optimizer="dist_muon" if state.momentum else "adam",
         no_save_rng=True,  # no torch RNG state is written: Megatron-LM then loads none
         bf16=any(w.dtype == ml_dtypes.bfloat16 for w in state.model.values()),
