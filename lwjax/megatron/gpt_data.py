@@ -49,9 +49,7 @@ def train_split(split: str, num_sequences: int) -> tuple[int, int]:
     normalised = (np.asarray(weights, np.float64) / np.sum(weights)).tolist()
     end = int(round(normalised[0] * float(num_sequences)))
     if end == 0:
-        raise ValueError(
-            f"split={split!r}: the train split of {num_sequences} sequences is empty."
-        )
+        raise ValueError(f"split={split!r}: the train split of {num_sequences} sequences is empty.")
     return 0, end
 
 
@@ -143,7 +141,9 @@ class GPTSampleOrder:
         (first, start), (last, stop) = self.sample_index[k], self.sample_index[k + 1]
         ids = self.document_index[first : last + 1]
         if first == last:
-            return self.data.get(ids[0], int(start), int(stop - start) + self.extra).astype(np.int64)
+            return self.data.get(ids[0], int(start), int(stop - start) + self.extra).astype(
+                np.int64
+            )
         parts = [self.data.get(ids[0], int(start))]
         parts += [self.data.get(s) for s in ids[1:-1]]
         parts.append(self.data.get(ids[-1], 0, int(stop) + self.extra))

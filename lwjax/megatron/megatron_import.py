@@ -7,7 +7,8 @@ GPT parameter tree of :mod:`lwjax.megatron.gpt` plus a
 Megatron's run; :func:`import_megatron` does it from a path (a Megatron checkpoint, or
 the lwjax checkpoint ``lwjax convert`` made of one). :meth:`MegatronImport.optimizer`
 and :meth:`MegatronImport.state` put the result on any mesh, and
-:meth:`MegatronImport.to_megatron` turns the continued run back into Megatron's form.
+:meth:`MegatronImport.to_megatron` turns the continued run back into Megatron's form;
+:meth:`MegatronImport.data` gives the training batches it continues with.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lwjax.megatron.data_order import MegatronBatches, megatron_batches
 from lwjax.megatron.export import logical_to_megatron
 from lwjax.megatron.export_records import advanced_records
 from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tree_from_keys
@@ -169,6 +171,19 @@ class MegatronImport:
         return functools.partial(
             gpt_loss, config=self.config, **{"dtype": dtype, "numerics": "megatron", **options}
         )
+
+    def data(self, path_prefix=None, **overrides) -> MegatronBatches:
+        """The run's training batches from where the checkpoint stopped: megatron-core's
+        ``GPTDataset`` order over one indexed dataset (``.bin``/``.idx``), global batches
+        from ``args.consumed_train_samples`` on, with the checkpoint's seed, sequence
+        length, batch size, split and train samples (``report()`` says where each was
+        read). See :func:`~lwjax.megatron.data_order.megatron_batches`.
+
+        Args:
+          path_prefix: The dataset's path prefix; ``None`` takes ``args.data_path``.
+          **overrides: Settings that replace the args' (``seed=``, ``split=``, ...).
+        """
+        return megatron_batches(path_prefix, self.args, self.iteration, **overrides)
 
     def to_megatron(self, params, logical) -> MegatronState:
         """The continued run as a :class:`~lwjax.megatron.state.MegatronState` to save with
