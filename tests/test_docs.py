@@ -90,7 +90,9 @@ def test_docs_python_blocks_run(page, tmp_path, monkeypatch):
     if page == "megatron":  # the page's examples read real megatron-core checkpoints
         fixtures = ROOT / "tests" / "fixtures" / "megatron"
         namespace.update(
-            CKPT=str(fixtures / "resume_muon"), ADAM_CKPT=str(fixtures / "resume_adam")
+            CKPT=str(fixtures / "resume_muon"),
+            ADAM_CKPT=str(fixtures / "resume_adam"),
+            DATA=str(fixtures / "gpt_data" / "docs"),
         )
     count = run_blocks(DOCS / f"{page}.md", namespace)
     assert count >= (0 if page in PAGES_WITHOUT_PYTHON else 1)

@@ -1,5 +1,6 @@
 """Megatron's data order against megatron-core 0.19.2's own: its IndexedDatasetBuilder wrote
-the dataset, its GPTDataset built the indices and samples (tests/fixtures/megatron/make_gpt_data.py)."""
+the dataset, its GPTDataset built the indices and samples
+(tests/fixtures/megatron/make_gpt_data.py)."""
 
 import json
 import pathlib
@@ -21,7 +22,7 @@ CASES = json.loads((DATA / "cases.json").read_text())
 
 @pytest.fixture(scope="module")
 def expected():
-    with np.load(DATA / "expected.npz") as arrays:
+    with np.load(DATA / "gpt_dataset.npz") as arrays:
         return dict(arrays)
 
 
@@ -165,6 +166,13 @@ def test_bad_idx_is_an_error_naming_the_file(tmp_path, offset, value, message):
     with pytest.raises(ValueError, match=message) as err:
         IndexedData(prefix)
     assert f"{prefix}.idx" in str(err.value)
+
+
+def test_empty_idx_is_an_error_naming_the_file(tmp_path):
+    prefix = _copy(tmp_path)
+    pathlib.Path(f"{prefix}.idx").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"docs\.idx: not a Megatron index file"):
+        IndexedData(prefix)
 
 
 def test_missing_or_short_bin_is_an_error_naming_the_file(tmp_path):

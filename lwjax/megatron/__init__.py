@@ -36,6 +36,10 @@ Modules, by concern:
   :mod:`~lwjax.megatron.convert` (the ``lwjax convert`` job),
   :mod:`~lwjax.megatron.options` (optimizer options under all their names),
   :mod:`~lwjax.megatron.schedules` (Megatron's learning-rate and weight-decay schedules);
+* the training data: :mod:`~lwjax.megatron.indexed_data` (``.bin``/``.idx`` files),
+  :mod:`~lwjax.megatron.gpt_data` (``GPTDataset``'s sample order),
+  :mod:`~lwjax.megatron.data_order` (a run's batches from its args,
+  :meth:`MegatronImport.data`);
 * the GPT workload, shared with the benchmarks: :mod:`~lwjax.megatron.gpt` (the GPT's
   shape and tree), :mod:`~lwjax.megatron.model` (its initialisation and forward pass,
   jax), :mod:`~lwjax.megatron.names` (keys, definition order, tensor-parallel chunks).

@@ -24,6 +24,7 @@ A document is one sequence unless the text was split into sentences. Megatron's
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 
@@ -65,8 +66,9 @@ class IndexedData:
                     f"{path}: no such file; a Megatron indexed dataset is a .bin and an .idx "
                     "file with the same path prefix."
                 )
+        with open(idx_path, "rb") as f:
+            self.dtype, sequences, boundaries = _read_header(idx_path, f.read(HEADER_BYTES))
         index = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        self.dtype, sequences, boundaries = _read_header(idx_path, index)
         need = HEADER_BYTES + 12 * sequences + 8 * boundaries
         if index.size < need:
             raise ValueError(
@@ -113,23 +115,20 @@ class IndexedData:
         return self.tokens[start : start + length]
 
 
-def _read_header(idx_path: str, index: np.ndarray) -> tuple[np.dtype, int, int]:
+def _read_header(idx_path: str, header: bytes) -> tuple[np.dtype, int, int]:
     """``(token dtype, sequences, document boundaries)`` from the ``.idx`` header."""
-    if index.size < HEADER_BYTES or bytes(index[:9]) != MAGIC:
+    if len(header) < HEADER_BYTES or header[:9] != MAGIC:
         raise ValueError(
             f"{idx_path}: not a Megatron index file (expected the magic bytes {MAGIC!r} of "
-            f"preprocess_data.py's .idx; got {bytes(index[:9])!r})."
+            f"preprocess_data.py's .idx; got {header[:9]!r})."
         )
-    header = index[9:HEADER_BYTES]
-    version = int(header[:8].view("<u8")[0])
+    version, code, sequences, boundaries = struct.unpack("<QBQQ", header[9:])
     if version != VERSION:
         raise ValueError(f"{idx_path}: index version {version}; lwjax reads version {VERSION}.")
-    code = int(header[8])
     if code not in TOKEN_DTYPES:
         raise ValueError(
             f"{idx_path}: unknown token dtype code {code}; Megatron's codes are "
             + ", ".join(f"{c} ({d.name})" for c, d in TOKEN_DTYPES.items())
             + "."
         )
-    sequences, boundaries = (int(x) for x in header[9:].view("<u8"))
     return TOKEN_DTYPES[code], sequences, boundaries
