@@ -195,9 +195,21 @@ def test_missing_or_short_bin_is_an_error_naming_the_file(tmp_path):
         ({"seq_length": None}, "seq_length: the checkpoint's args do not store it"),
         ({"consumed_train_samples": 285}, "consumed_train_samples=285 .*none left"),
         ({"split": "0, 1, 0"}, "train split of 239 sequences is empty"),
+        (
+            {"global_batch_size": "4"},
+            r"global_batch_size \(from args.global_batch_size\): expected",
+        ),
     ],
 )
 def test_settings_lwjax_cannot_follow_are_errors(args, message):
     base = {"seq_length": 16, "global_batch_size": 4, "train_iters": 6, "split": "969, 30, 1"}
     with pytest.raises(ValueError, match=message):
         megatron_batches(PREFIX, {**base, **args})
+
+
+def test_a_stored_zero_consumed_train_samples_resumes_at_the_iteration_as_megatron_lm():
+    args = {"seq_length": 16, "global_batch_size": 4, "train_iters": 6, "consumed_train_samples": 0}
+    resumed = megatron_batches(PREFIX, args, iteration=3)
+    assert resumed.settings["consumed_train_samples"] == (12, "iteration 3 x global_batch_size")
+    stored = megatron_batches(PREFIX, {**args, "consumed_train_samples": 8}, iteration=3)
+    assert stored.settings["consumed_train_samples"] == (8, "args.consumed_train_samples")

@@ -38,6 +38,17 @@ UNSUPPORTED = {
 }
 """``args`` entries whose truthy value gives another order than :class:`GPTSampleOrder`'s."""
 MASKS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+SETTINGS = (
+    "seed",
+    "seq_length",
+    "global_batch_size",
+    "split",
+    "train_samples",
+    "consumed_train_samples",
+)
+"""The settings the order depends on, read from ``args`` or given as arguments."""
+ZERO_MEANS_UNSET = ("consumed_train_samples",)
+"""Megatron-LM resumes at ``iteration`` global batches when this is stored as 0."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,17 +94,6 @@ class MegatronBatches:
         )
 
 
-def _positive(name: str, value: Any, source: str, *, zero: bool = False) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or value < (0 if zero else 1)
-    ):
-        kind = "a non-negative" if zero else "a positive"
-        raise ValueError(f"{name} (from {source}): expected {kind} integer; got {value!r}.")
-    return int(value)
-
-
 def megatron_batches(
     path_prefix: str | os.PathLike | None,
     args: Mapping[str, Any],
@@ -106,8 +106,8 @@ def megatron_batches(
       path_prefix: The dataset's ``.bin``/``.idx`` prefix; ``None`` takes
         ``args.data_path`` (one prefix).
       args: The checkpoint's ``args``.
-      iteration: Iterations done (gives ``consumed_train_samples`` when ``args`` lack it,
-        as Megatron-LM does).
+      iteration: Iterations done: when ``args`` store no (or a zero)
+        ``consumed_train_samples``, Megatron-LM resumes at ``iteration`` global batches.
       **overrides: Replace what ``args`` say: ``seed``, ``seq_length``,
         ``global_batch_size``, ``split``, ``train_samples``, ``consumed_train_samples``.
 
@@ -115,10 +115,9 @@ def megatron_batches(
       ValueError: a setting missing or malformed, a blend of several datasets (not
         supported), or an ``args`` entry that gives another order (named).
     """
-    known = ("seed", "seq_length", "global_batch_size", "split", "train_samples")
-    unknown = set(overrides) - {*known, "consumed_train_samples"}
+    unknown = set(overrides) - set(SETTINGS)
     if unknown:
-        raise TypeError(f"megatron_batches: unknown settings {sorted(unknown)}.")
+        raise TypeError(f"megatron_batches: unknown settings {sorted(unknown)}; got {SETTINGS}.")
     for name, why in UNSUPPORTED.items():
         if args.get(name):
             raise ValueError(
@@ -130,12 +129,12 @@ def megatron_batches(
             f"args.dataloader_type={args['dataloader_type']!r}: lwjax follows the 'single' "
             "sampler (samples in order), not the cyclic one."
         )
-    settings: dict[str, tuple[Any, str]] = {}
+    settings: dict[str, tuple[Any, str]] = {"data_path": _data_path(path_prefix, args)}
 
-    def read(name: str, default: Any = None, default_source: str = "default") -> Any:
+    def read(name: str, default: Any = None, default_source: str = "", minimum: int = 1):
         if overrides.get(name) is not None:
             settings[name] = (overrides[name], "argument")
-        elif args.get(name) is not None:
+        elif args.get(name) is not None and not (name in ZERO_MEANS_UNSET and not args[name]):
             settings[name] = (args[name], f"args.{name}")
         elif default is not None:
             settings[name] = (default, default_source)
@@ -143,11 +142,17 @@ def megatron_batches(
             raise ValueError(
                 f"{name}: the checkpoint's args do not store it; pass {name}= to give it."
             )
-        return settings[name][0]
+        value, source = settings[name]
+        if name != "split" and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum
+        ):
+            raise ValueError(
+                f"{name} (from {source}): expected an integer >= {minimum}; got {value!r}."
+            )
+        return value if name == "split" else int(value)
 
-    settings["data_path"] = _data_path(path_prefix, args)
-    seed = read("seed", DEFAULT_SEED, "default: Megatron-LM's --seed")
-    seq_length = read("seq_length")
+    seed = read("seed", DEFAULT_SEED, "default: Megatron-LM's --seed", minimum=0)
+    seq_length = read("seq_length", minimum=2)
     global_batch_size = read("global_batch_size")
     split = read("split", DEFAULT_SPLIT, "default: Megatron-LM's --split with --data-path")
     train_iters = args.get("train_iters")
@@ -157,15 +162,8 @@ def megatron_batches(
         "consumed_train_samples",
         iteration * global_batch_size,
         f"iteration {iteration} x global_batch_size",
+        minimum=0,
     )
-    for name, value in (("seed", seed), ("consumed_train_samples", consumed)):
-        _positive(name, value, settings[name][1], zero=True)
-    for name, value in (
-        ("seq_length", seq_length),
-        ("global_batch_size", global_batch_size),
-        ("train_samples", train_samples),
-    ):
-        _positive(name, value, settings[name][1])
     masks = [name for name in MASKS if args.get(name)]
     if masks:
         warnings.warn(
@@ -175,9 +173,9 @@ def megatron_batches(
         )
     order = gpt_sample_order(
         IndexedData(settings["data_path"][0]),
-        seed=int(seed),
-        sequence_length=int(seq_length),
-        num_samples=int(train_samples),
+        seed=seed,
+        sequence_length=seq_length,
+        num_samples=train_samples,
         split=str(split),
     )
     if consumed >= len(order):
@@ -186,7 +184,7 @@ def megatron_batches(
             f"the dataset holds {len(order)} samples for this run; none left."
         )
     settings["epochs"] = (order.epochs, f"{len(order)} samples over the train split")
-    return MegatronBatches(order, int(global_batch_size), int(consumed), settings)
+    return MegatronBatches(order, global_batch_size, consumed, settings)
 
 
 def _data_path(path_prefix, args: Mapping[str, Any]) -> tuple[str, str]:
