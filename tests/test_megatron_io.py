@@ -67,6 +67,7 @@ def test_fixtures_are_all_present():
         "pp2_muon",
         "resume_adam",
         "resume_muon",
+        "resume_muon_medium",
         "tied_adam_ws1",
         "tied_adam_ws1_fully_reshardable",
         "tied_adam_ws2",
