@@ -196,7 +196,8 @@ def test_configuration_reference_names_the_megatron_flags():
 
 
 def _public_api() -> dict[str, object]:
-    """``lwjax.__all__``, the public names of the Muon math modules, and named extras."""
+    """``lwjax.__all__``, ``lwjax.megatron.__all__``, the public names of the Muon math modules,
+    and named extras."""
     from lwjax.tools.demo import data, devices, model, run
 
     names = {
@@ -217,6 +218,9 @@ def _public_api() -> dict[str, object]:
     for module, members in extras.items():
         for name in members:
             names[f"{module.__name__}.{name}"] = getattr(module, name)
+    import lwjax.megatron as megatron_lib
+
+    names.update({f"lwjax.megatron.{n}": getattr(megatron_lib, n) for n in megatron_lib.__all__})
     return names
 
 
