@@ -6,6 +6,10 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI's tables follow $COLUMNS when it is set, and pytest-xdist's workers get COLUMNS=80
+# where a plain run has none: tests read them at the width a pipe gets (160) unless they set
+# their own.
+os.environ["COLUMNS"] = "160"
 # The tests compile hundreds of small programs and run each for milliseconds, so LLVM's
 # optimisations cost more than they save: without them the suite takes about a fifth less
 # time on 2 cores. Set before JAX starts, keeping the caller's flags; processes the tests spawn
