@@ -12,7 +12,6 @@ torch alone; ``resume.npz`` is what Megatron did next.
 
 import json
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +19,11 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from megatron_export_run import stacked_grads
 
 import lwjax
 from lwjax.logical import to_logical
 from lwjax.megatron import import_megatron, read_megatron
-from lwjax.megatron import names as names_lib
 from lwjax.megatron.gpt import keys_from_tree, tree_from_keys
 from lwjax.megatron.read_torch_dist import _pipeline_size, _unflatten_into
 
@@ -33,38 +32,10 @@ PIPELINE_RUNS = ["pp2_muon", "pp2_adam"]
 EXPERT_RUN = "ep2_muon"
 PARALLEL_RUNS = [*PIPELINE_RUNS, EXPERT_RUN]
 SAVED_AT = 3
-# a layer's expert under its global number, as the fixture records its gradients
-_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 
 
 def _record(name):
     return np.load(FIXTURES / name / "resume.npz")
-
-
-def _stacked_grads(record, iteration: int) -> dict:
-    """Megatron's reduced gradients of ``iteration`` under the stacked keys (experts stacked
-    on the axis after the layers')."""
-    parts: dict[str, dict[tuple, np.ndarray]] = {}
-    prefix = f"grad/{iteration}/"
-    for entry in record.files:
-        if entry.startswith(prefix):
-            name, expert = entry[len(prefix) :], None
-            if (m := _EXPERT_RE.match(name)) is not None:
-                name, expert = f"{m.group(1)}experts.{m.group(3)}", int(m.group(2))
-            key, layer = names_lib.stacked_key(name)
-            parts.setdefault(key, {})[(layer, expert)] = record[entry]
-    out = {}
-    for key, found in parts.items():
-        if (None, None) in found:
-            out[key] = found[(None, None)]
-            continue
-        layers = sorted({layer for layer, _ in found})
-        experts = sorted({expert for _, expert in found})
-        if experts == [None]:
-            out[key] = np.stack([found[(i, None)] for i in layers])
-        else:
-            out[key] = np.stack([np.stack([found[(i, e)] for e in experts]) for i in layers])
-    return out
 
 
 @pytest.mark.parametrize("name", PARALLEL_RUNS)
@@ -143,7 +114,7 @@ def test_replayed_parallel_gradients_give_megatrons_masters(name, mesh):
     else:
         opt = imported.optimizer(Mesh(devices[: int(mesh[2:])], ("dp",)))
     params, state = imported.state(opt)
-    grads = _stacked_grads(record, SAVED_AT + 1)
+    grads = stacked_grads(record, SAVED_AT + 1)
     assert sorted(grads) == sorted(keys_from_tree(imported.params))
     updates, state = jax.jit(opt.update)(tree_from_keys(grads), state, params)
     params = optax.apply_updates(params, updates)
