@@ -58,6 +58,7 @@ def test_fixtures_are_all_present():
         "adam_ws1",
         "adam_ws1_fully_reshardable",
         "adam_ws2",
+        "ep2_muon",
         "legacy_adam",
         "legacy_muon",
         "muonL_tp2",

@@ -78,6 +78,10 @@ def megatron_args(state: MegatronState, config: GPTConfig | None) -> dict:
             norm_epsilon=config.norm_epsilon,
             rotary_base=config.rotary_base,
         )
+        if config.num_experts:
+            args.update(
+                num_experts=config.num_experts, moe_ffn_hidden_size=config.expert_ffn_hidden_size
+            )
     args.update(
         ckpt_format="torch_dist",
         tensor_model_parallel_size=1,
@@ -97,8 +101,21 @@ def param_groups(state: MegatronState) -> tuple[list[dict], list[dict]]:
     ``end_wd``, ``wd_mult``, ``lr_mult``, ``optimizer``, ``is_expert_parallel``,
     ``is_decoupled_lr``) as its own optimizer has them: the values read from the imported
     groups, ``optimizer: "adam"`` on the Adam groups beside Muon (a plain Adam optimizer's
-    groups have no such key).
+    groups have no such key). A mixture of experts on Muon has a second Muon group, its
+    experts' (``is_expert_parallel``), as Megatron groups expert-parallel parameters apart.
+
+    Raises:
+      ValueError: expert weights on Adam, whose groups (a distributed optimizer of their own
+        per expert-parallel rank) lwjax does not write.
     """
+    experts = [k for k in state.model if names_lib.is_expert_key(k)]
+    on_adam = [k for k in experts if k not in state.momentum]
+    if on_adam:
+        raise ValueError(
+            f"the expert weights {on_adam} are on Adam: Megatron keeps their state in an "
+            "optimizer of its own per expert-parallel rank, which lwjax does not export; "
+            "continue the experts on Muon (MegatronImport with muon=True)."
+        )
     adam = state.hyperparameters.get("adam", {})
     muon = state.hyperparameters.get("muon", {})
     lr = float(adam.get("lr", muon.get("lr", 0.0)))
@@ -131,9 +148,10 @@ def param_groups(state: MegatronState) -> tuple[list[dict], list[dict]]:
     muon_groups = []
     if state.momentum:
         muon_lr = float(muon.get("lr", lr))
-        muon_groups.append(
-            {**shared(muon, muon_lr, 1.0), "momentum": float(muon.get("momentum", 0.95))}
-        )
+        group = {**shared(muon, muon_lr, 1.0), "momentum": float(muon.get("momentum", 0.95))}
+        muon_groups.append(group)
+        if experts:
+            muon_groups.append({**group, "is_expert_parallel": True})
     return muon_groups, adam_groups
 
 
@@ -207,7 +225,8 @@ def common_state(state: MegatronState, config: GPTConfig | None) -> dict:
 
 
 def extra_state_objects(state: MegatronState) -> dict[str, None]:
-    """The empty ``_extra_state`` entries Megatron's layers expect, one per layer and module."""
+    """The empty ``_extra_state`` entries Megatron's layers expect, one per layer and module
+    (and per expert, ``shard_<layer>.<expert>_<L>.<E>``, for a mixture of experts)."""
     objects = {}
     num_layers = next((w.shape[0] for k, w in state.model.items() if names_lib.is_layer_key(k)), 0)
     for module in _EXTRA_STATE_MODULES:
@@ -216,4 +235,11 @@ def extra_state_objects(state: MegatronState) -> dict[str, None]:
                 objects[
                     f"{names_lib.LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"
                 ] = None
+    for key, weight in state.model.items():
+        if names_lib.is_expert_key(key):
+            module, experts = key.removesuffix(".weight"), weight.shape[1]
+            for layer in range(num_layers):
+                for expert in range(experts):
+                    shard = f"shard_{layer}.{expert}_{num_layers}.{experts}"
+                    objects[f"{module}._extra_state/{shard}"] = None
     return objects

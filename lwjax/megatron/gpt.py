@@ -14,6 +14,18 @@ and weights stored ``[out, in]`` as torch does::
     decoder/final_layernorm/weight                        [H]
     output_layer/weight                                   [V, H]        (absent when tied)
 
+A mixture-of-experts GPT (``num_experts`` ``E`` > 0, Megatron's local-spec
+``SequentialMLP`` as ``torch_dist`` saves it) has, in place of the two MLP
+matrices, a router and every expert's matrices stacked on an expert axis::
+
+    decoder/layers/mlp/router/weight                      [L, E, H]
+    decoder/layers/mlp/experts/experts/linear_fc1/weight  [L, E, 2 Fe, H]
+    decoder/layers/mlp/experts/experts/linear_fc2/weight  [L, E, H, Fe]
+
+(``Fe`` is ``moe_ffn_hidden_size``). Each expert's matrix is a Muon matrix of its
+own, as Megatron's layer-wise optimizer holds it; lwjax's forward has no MoE
+layer (:func:`lwjax.megatron.model.gpt_logits` refuses one).
+
 ``linear_qkv`` rows are grouped per query group ``g``: ``nq/ng`` query heads,
 then one key head, then one value head, ``d`` rows each
 (:func:`split_qkv`). Use it with :func:`lwjax.optimizer.layerwise_muon` through
@@ -31,6 +43,10 @@ from lwjax.routing import RoutingRules
 
 # Megatron (torch) stores a linear weight as [out, in]: the optimizer's matrix_convention for it.
 MATRIX_CONVENTION = "out_in"
+# A mixture-of-experts MLP's keys (SequentialMLP, as torch_dist stores it)
+ROUTER_KEY = "decoder.layers.mlp.router.weight"
+EXPERT_FC1_KEY = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2_KEY = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +64,10 @@ class GPTConfig:
       tied_embeddings: The output layer reuses the embedding.
       norm_epsilon: RMSNorm epsilon.
       rotary_base: RoPE base.
+      num_experts: Experts per MLP ``E`` (a mixture of experts in every layer);
+        0 for the dense SwiGLU MLP.
+      moe_ffn_hidden_size: Each expert's width ``Fe``; ``None`` means
+        ``ffn_hidden_size``.
     """
 
     num_layers: int
@@ -60,6 +80,8 @@ class GPTConfig:
     tied_embeddings: bool = False
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
+    num_experts: int = 0
+    moe_ffn_hidden_size: int | None = None
 
     def __post_init__(self):
         for name in (
@@ -75,6 +97,16 @@ class GPTConfig:
                 raise ValueError(
                     f"GPTConfig.{name} must be a positive integer; got {name}={value!r}."
                 )
+        for name in ("num_experts", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(
+                    f"GPTConfig.{name} must be a non-negative integer; got {name}={value!r}."
+                )
+        if self.moe_ffn_hidden_size == 0:
+            raise ValueError("GPTConfig.moe_ffn_hidden_size must be positive or None; got 0.")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"GPTConfig.num_query_groups must divide num_attention_heads; got "
@@ -96,6 +128,11 @@ class GPTConfig:
         """Rows of q, k and v in one query group of ``linear_qkv``."""
         d = self.head_dim
         return (self.num_attention_heads // self.num_query_groups * d, d, d)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's width ``Fe`` (``moe_ffn_hidden_size`` or ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Megatron key -> global shape of every parameter, in definition order."""
@@ -120,10 +157,16 @@ class GPTConfig:
                 H,
             ),
             "decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, H),
-            "decoder.layers.mlp.linear_fc1.weight": (L, 2 * F, H),
-            "decoder.layers.mlp.linear_fc2.weight": (L, H, F),
-            "decoder.final_layernorm.weight": (H,),
         }
+        if self.num_experts:
+            E, Fe = self.num_experts, self.expert_ffn_hidden_size
+            shapes[ROUTER_KEY] = (L, E, H)
+            shapes[EXPERT_FC1_KEY] = (L, E, 2 * Fe, H)
+            shapes[EXPERT_FC2_KEY] = (L, E, H, Fe)
+        else:
+            shapes["decoder.layers.mlp.linear_fc1.weight"] = (L, 2 * F, H)
+            shapes["decoder.layers.mlp.linear_fc2.weight"] = (L, H, F)
+        shapes["decoder.final_layernorm.weight"] = (H,)
         if not self.tied_embeddings:
             shapes["output_layer.weight"] = (V, H)
         return shapes
@@ -143,7 +186,17 @@ class GPTConfig:
         Megatron does.
 
         Use it with :func:`lwjax.layerwise_muon`'s ``param_axes=axis``.
+
+        Raises:
+          ValueError: a mixture-of-experts GPT (Megatron splits experts by its
+            own expert tensor-parallel size, which lwjax does not follow).
         """
+        if self.num_experts:
+            raise ValueError(
+                f"GPTConfig.tensor_specs: a mixture-of-experts GPT ({self.num_experts} experts) "
+                "has no tensor-parallel split in lwjax (Megatron splits experts by "
+                "expert_tensor_parallel_size); use it without a tensor-parallel axis."
+            )
         from jax.sharding import PartitionSpec as P  # here: the tree itself needs no jax
 
         rows, columns, vocabulary = P(None, axis), P(None, None, axis), P(axis)
@@ -167,11 +220,17 @@ class GPTConfig:
           ValueError: a parameter the GPT does not have, or shapes that disagree
             with ``args``.
         """
+        experts, expert_width = 0, None
         try:
             L, qkv_rows, H = shapes["decoder.layers.self_attention.linear_qkv.weight"]
             V = shapes["embedding.word_embeddings.weight"][0]
-            F = shapes["decoder.layers.mlp.linear_fc2.weight"][2]
-        except (KeyError, ValueError) as err:
+            if ROUTER_KEY in shapes:  # a mixture of experts: no dense MLP to read F from
+                experts = int(shapes[ROUTER_KEY][1])
+                expert_width = int(shapes[EXPERT_FC2_KEY][3])
+                F = args.get("ffn_hidden_size") or expert_width
+            else:
+                F = shapes["decoder.layers.mlp.linear_fc2.weight"][2]
+        except (KeyError, ValueError, IndexError) as err:
             raise ValueError(
                 f"not a Megatron GPT checkpoint: model parameter {err} is missing or misshapen."
             ) from None
@@ -182,6 +241,18 @@ class GPTConfig:
                 "the QKV layout cannot be read from shapes. Give the model's heads and query "
                 "groups: lwjax convert --num-attention-heads N --num-query-groups G, or "
                 "megatron_to_logical(state, num_attention_heads=N, num_query_groups=G)."
+            )
+        stored = {"num_experts": experts, "moe_ffn_hidden_size": expert_width}
+        disagree = {
+            name: (args[name], value)
+            for name, value in stored.items()
+            if experts and args.get(name) is not None and int(args[name]) != value
+        }
+        if disagree:
+            raise ValueError(
+                "checkpoint is not the mixture of experts its args describe: "
+                + "; ".join(f"args.{k}={a}, the weights give {v}" for k, (a, v) in disagree.items())
+                + "."
             )
         groups = (
             heads
@@ -201,6 +272,8 @@ class GPTConfig:
                 args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5)) or 1e-5
             ),
             rotary_base=float(args.get("rotary_base", 10000) or 10000),
+            num_experts=experts,
+            moe_ffn_hidden_size=expert_width,
         )
         expected = config.param_shapes()
         wrong = {
@@ -238,9 +311,25 @@ class GPTConfig:
           stacked: The layers are stacked ``[L, ...]`` (Megatron's tree);
             ``False``: a list of per-layer trees
             (:func:`lwjax.megatron.model.unstack_layers`).
+
+        Expert matrices ``[L, E, m, n]`` are expert leaves (``expert=``, two stack
+        axes, the expert axis last): each expert's matrix is its own Muon matrix,
+        as Megatron's layer-wise optimizer holds every expert's weight; the
+        router ``[L, E, H]`` is a dense matrix, on Muon as in Megatron.
         """
+        experts = "decoder/layers/mlp/experts/*"
+        if self.num_experts and not stacked:
+            raise ValueError(
+                "GPTConfig.routing_rules: stacked=False (per-layer trees) is for the dense "
+                "GPT forward; a mixture-of-experts GPT keeps its layers stacked."
+            )
+        # first match wins: the expert matrices' two stack axes before the layers' one
+        stacks = (
+            {experts: 2, "decoder/layers/*": 1} if self.num_experts else {"decoder/layers/*": 1}
+        )
         return RoutingRules(
-            stacked={"decoder/layers/*": 1} if stacked else None,
+            stacked=stacks if stacked else None,
+            expert={experts: True} if self.num_experts else None,
             qkv_split={"*linear_qkv/weight": self.qkv_split_shapes} if muon else None,
             is_muon=None if muon else (lambda name, shape: False),
             tied={"embedding/word_embeddings/weight": True} if self.tied_embeddings else None,

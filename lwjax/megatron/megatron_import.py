@@ -163,8 +163,13 @@ class MegatronImport:
 
         ``options`` override :func:`~lwjax.megatron.model.gpt_loss`'s keywords, e.g.
         ``numerics="lwjax"`` for the faster forward with fp32 norms and softmax.
+
+        Raises:
+          ValueError: a mixture-of-experts GPT, which lwjax's forward does not have.
         """
-        from lwjax.megatron.model import gpt_loss
+        from lwjax.megatron.model import check_dense, gpt_loss
+
+        check_dense(self.config, "MegatronImport.loss_fn")
 
         dtypes = {np.asarray(w).dtype.name for w in keys_from_tree(self.params).values()}
         dtype = dtypes.pop() if len(dtypes) == 1 else "float32"

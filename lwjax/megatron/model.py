@@ -74,6 +74,17 @@ def init_params(config: GPTConfig, key: jax.Array, dtype="float32") -> dict:
     return tree_from_keys(make(key))
 
 
+def check_dense(config: GPTConfig, where: str) -> None:
+    """Refuse a mixture-of-experts ``config``: this forward has a dense MLP alone."""
+    if config.num_experts:
+        raise ValueError(
+            f"{where}: the GPT is a mixture of {config.num_experts} experts, and lwjax's GPT "
+            "forward has no MoE layer (router, token dispatch, experts). Continue the run with "
+            "a loss of your own MoE model over these parameters; the optimizer, its state and "
+            "the export to Megatron take the experts as they are."
+        )
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     r""":math:`y = x / \sqrt{\overline{x^2} + \epsilon} \odot w`, in fp32, cast back."""
     x32 = x.astype(jnp.float32)
@@ -240,8 +251,9 @@ def gpt_logits(
     Raises:
       ValueError: an unknown ``attention`` or ``numerics``; with Megatron's
         numerics, ``"cudnn"`` attention, a ``dtype`` other than bfloat16 or
-        float32, or ``gather``.
+        float32, or ``gather``; a mixture-of-experts ``config``.
     """
+    check_dense(config, "gpt_logits")
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}; got {numerics!r}.")
     if numerics == "megatron":

@@ -48,6 +48,7 @@ LAYER_ORDER = {
         "self_attention.k_layernorm.weight",
         "mlp.linear_fc1.layer_norm_weight",
         "mlp.linear_fc1.layer_norm_bias",
+        "mlp.router.weight",
         "mlp.linear_fc1.weight",
         "mlp.linear_fc1.bias",
         "mlp.linear_fc2.weight",
@@ -64,6 +65,7 @@ LAYER_ORDER = {
         "self_attention.k_layernorm.weight",
         "mlp.linear_fc1.layer_norm_weight",
         "mlp.linear_fc1.layer_norm_bias",
+        "mlp.router.weight",
         "mlp.linear_fc1.weight",
         "mlp.linear_fc1.bias",
         "mlp.linear_fc2.weight",
@@ -71,6 +73,9 @@ LAYER_ORDER = {
     ),
 }
 LAYER_SPECS = tuple(LAYER_ORDER)
+# A mixture of experts' per-expert weights ([L, E, ...]): Megatron keeps them in buffers of
+# their own (expert data parallel), apart from the dense parameters' definition order.
+EXPERT_PREFIX = LAYER_PREFIX + "mlp.experts."
 BEFORE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 AFTER_LAYERS = (
     "decoder.final_layernorm.weight",
@@ -118,10 +123,17 @@ def is_layer_key(key: str) -> bool:
     return key.startswith(LAYER_PREFIX) and not _LAYER_RE.match(key)
 
 
+def is_expert_key(key: str) -> bool:
+    """Whether a stacked key holds a mixture of experts' per-expert weights ``[L, E, ...]``."""
+    return key.startswith(EXPERT_PREFIX)
+
+
 def definition_order(
     keys: Sequence[str], num_layers: int, spec: str
 ) -> list[tuple[str, int | None]]:
-    """``(stacked key, layer)`` of every parameter in Megatron's ``named_parameters`` order.
+    """``(stacked key, layer)`` of every dense parameter in Megatron's ``named_parameters``
+    order; expert weights (:func:`is_expert_key`), which sit in buffers of their own, are
+    left out.
 
     Args:
       keys: The stacked model keys.
@@ -132,6 +144,7 @@ def definition_order(
       ValueError: a key whose place in the order is unknown.
     """
     layer_rank = {rest: i for i, rest in enumerate(LAYER_ORDER[spec])}
+    keys = [k for k in keys if not is_expert_key(k)]
     unknown = [
         k
         for k in keys

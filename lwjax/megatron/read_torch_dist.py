@@ -140,6 +140,14 @@ def _unflatten_into(
             f"(tensor-parallel size {tp} x pipeline size {pp})."
         )
     model = state["model"]
+    experts = [k for k in model if names_lib.is_expert_key(k) and k not in state["momentum"]]
+    if experts:
+        raise ValueError(
+            f"{directory}: the expert weights {experts} are in the DistributedOptimizer's "
+            "flat buffers of each expert-parallel rank (dp_reshardable), which lwjax does not "
+            "cut up; save with --dist-ckpt-optim-fully-reshardable for per-parameter optimizer "
+            "keys (a Muon run holds its experts per parameter already)."
+        )
     ordered = {rg: [b[i] for i in sorted(b)] for rg, b in buffers.items()}
     flat, order_name = unflatten_buffers(
         ordered,
