@@ -23,6 +23,18 @@ from lwjax.megatron import names as names_lib
 from lwjax.megatron.gpt import tree_from_keys
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
+# each export fixture and the resume fixture it continues: megatron-core loaded the pp2 ones at
+# pipeline size 2 and the ep2 one at expert-parallel size 2, on two ranks, as the runs were made
+RUNS = {
+    "export_muon": "resume_muon",
+    "export_adam": "resume_adam",
+    "export_pp2_muon": "pp2_muon",
+    "export_pp2_adam": "pp2_adam",
+    "export_ep2_muon": "ep2_muon",
+}
+# lwjax's GPT has no MoE forward: these continue by Megatron's own gradients through lwjax's
+# optimizer (replay_and_export)
+REPLAYED = ("export_ep2_muon",)
 # a layer's expert under its global number, as make_parallel_run.py records its gradients
 _EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 

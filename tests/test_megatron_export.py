@@ -14,7 +14,14 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from megatron_export_run import FIXTURES, batch, continue_and_export, replay_and_export
+from megatron_export_run import (
+    FIXTURES,
+    REPLAYED,
+    RUNS,
+    batch,
+    continue_and_export,
+    replay_and_export,
+)
 
 import lwjax
 from lwjax.logical import to_logical
@@ -23,18 +30,6 @@ from lwjax.megatron.dcp import load_dcp
 from lwjax.megatron.export_records import advanced_records, param_groups
 from lwjax.megatron.gpt import keys_from_tree
 
-RUNS = {
-    "export_muon": "resume_muon",
-    "export_adam": "resume_adam",
-    # megatron-core loaded these at pipeline size 2 on two ranks, as the runs were made
-    "export_pp2_muon": "pp2_muon",
-    "export_pp2_adam": "pp2_adam",
-    # a mixture of experts, loaded at expert-parallel size 2 on two ranks
-    "export_ep2_muon": "ep2_muon",
-}
-# lwjax's GPT has no MoE forward: these continue by Megatron's own gradients through lwjax's
-# optimizer (replay_and_export), and Megatron's next iteration is compared with its own
-REPLAYED = ("export_ep2_muon",)
 # Megatron's iteration 5 against lwjax's from the same file, each parameter's difference in norm
 # over the norm of Megatron's step: at most 2.5e-4 (Adam) and 1.6e-5 (Muon) measured under the
 # test session's XLA flags (no LLVM optimisation); with XLA's default flags every master is
