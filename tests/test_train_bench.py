@@ -754,3 +754,17 @@ def test_fsdp_gather_reduces_the_gradient_in_the_dtype_asked_for(reduce_in_fp32)
     # Device d holds rows 2d, 2d+1 of scale, all d + 1: the gradient sums them, 1 + 2 + 3 + 4.
     assert grad.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(grad, np.float32), np.full((2, 8), 10.0))
+
+
+def test_collectives_count_every_array_of_a_combined_collective():
+    """XLA prints a long tuple's shapes with ``/*index=5*/`` notes; their ``=`` once cut the
+    match short, so a combined all-reduce was counted from its last note on, or not at all."""
+    from lwjax.tools.bench.compiled import collectives
+
+    shapes = ", ".join([*(f"f32[{n}]{{0}}" for n in (64, 64, 64, 64, 32)), "/*index=5*/f32[3]{0}"])
+    line = f"  %all-reduce.1 = ({shapes}) all-reduce(%a, %b, %c, %d, %e, %f), to_apply=%add\n"
+    gather = "  %all-gather.2 = f32[8,4]{1,0} all-gather(%g), dimensions={0}\n"
+    found = collectives(line + gather)
+    assert found["all-reduce"] == (1, 4 * 64 + 32 + 3)
+    assert found["all-gather"] == (1, 32)
+    assert found["reduce-scatter"] == (0, 0)

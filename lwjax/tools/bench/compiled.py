@@ -26,6 +26,7 @@ def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
     A tuple-shaped result (combined collectives, ``*-start`` ops) counts all its
     arrays; kinds: ``all-reduce``, ``reduce-scatter``, ``all-gather``.
     """
+    hlo_text = re.sub(r"/\*.*?\*/", "", hlo_text)  # XLA's /*index=5*/ notes hold an "="
     out = {}
     for kind in COLLECTIVE_KINDS:
         sizes = []
