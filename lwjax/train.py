@@ -244,6 +244,19 @@ def make_train_step(
         accumulate=accumulate,
         batch_stats=batch_stats,
     )
+    _check_steppable(adapter, optimizer)
+    # With the gather overlapped the parameters live in the state's masters: None between steps.
+    param_specs = optimizer.param_specs
+    if param_specs is None or options.overlap_param_gather:
+        param_specs = P()
+    compiled = _compiled_steps(adapter, optimizer, options, param_specs, donate=donate)
+    step = with_host_speculation(compiled, optimizer.plan, state_index=1)
+    return _host_side(step, adapter, optimizer, options, param_specs)
+
+
+def _check_steppable(adapter: LossAdapter, optimizer: LayerwiseOptimizer) -> None:
+    """Refuse what ``make_train_step`` cannot step: split parameters, and global batch
+    statistics beside an expert axis."""
     if not adapter.per_device and optimizer.expert_axis is not None:
         raise ValueError(
             f"make_train_step: batch_stats='global' with expert_axis={optimizer.expert_axis!r}; "
@@ -256,13 +269,6 @@ def make_train_step(
             "lwjax.value_and_grad(loss_fn, optimizer) and optimizer.update under jax.jit "
             "(docs/scaling.md)."
         )
-    # With the gather overlapped the parameters live in the state's masters: None between steps.
-    param_specs = optimizer.param_specs
-    if param_specs is None or options.overlap_param_gather:
-        param_specs = P()
-    compiled = _compiled_steps(adapter, optimizer, options, param_specs, donate=donate)
-    step = with_host_speculation(compiled, optimizer.plan, state_index=1)
-    return _host_side(step, adapter, optimizer, options, param_specs)
 
 
 def _resolved_options(options: TrainStepOptions | None, overlap_param_gather) -> TrainStepOptions:
