@@ -1,4 +1,5 @@
-r"""What Newton–Schulz costs: the estimate layouts balance and the FLOPs benchmarks count.
+r"""What Newton–Schulz costs: the estimate layouts balance, the FLOPs benchmarks count, and
+how matrices are dealt out to the devices that orthogonalise them.
 
 Newton–Schulz on an ``[m, n]`` matrix works on its small side
 :math:`s = \min(m, n)` against its large side :math:`l = \max(m, n)`. Each
@@ -9,6 +10,7 @@ layout layer that uses it.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 from lwjax.layout import ParamSpec
@@ -62,3 +64,36 @@ def ns_flops(
     if symmetric_share is not None:
         symmetric = round(symmetric * symmetric_share(small, large))
     return num_ns_steps * (symmetric + update)
+
+
+def deal(costs: Sequence[int], devices: int) -> tuple[int, ...]:
+    """Each item's device when ``costs`` are dealt out to ``devices`` workers, costliest first.
+
+    Longest-processing-time-first: every item in turn, by falling cost (then
+    by position), goes to the least-loaded device (the lowest index among
+    equals). The busiest device then carries at most ``4/3`` of the least
+    achievable load (Graham's bound), and, on two or more devices, exactly
+    ``max(costs)`` when one item outweighs all the others together.
+
+    Raises:
+      ValueError: ``devices`` below 1, or a negative cost.
+    """
+    if devices < 1:
+        raise ValueError(f"deal: devices must be >= 1; got {devices}.")
+    if any(c < 0 for c in costs):
+        raise ValueError(f"deal: costs must be >= 0; got {min(costs)}.")
+    loads = [(0, d) for d in range(devices)]  # a heap of (load, device)
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, device = heapq.heappop(loads)
+        owner[i] = device
+        heapq.heappush(loads, (load + costs[i], device))
+    return tuple(owner)
+
+
+def device_loads(costs: Sequence[int], owners: Sequence[int], devices: int) -> list[int]:
+    """The summed cost per device of items dealt as ``owners`` says (:func:`deal`)."""
+    loads = [0] * devices
+    for cost, device in zip(costs, owners):
+        loads[device] += cost
+    return loads

@@ -7,13 +7,14 @@ equal-size peers exist), with some tied embeddings; dp 1..8, bucket sizes
 """
 
 import json
+from itertools import product
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lwjax import LayoutConfig
-from lwjax.cost import ns_flops
+from lwjax.cost import deal, device_loads, ns_flops
 from lwjax.elementwise_layout import compute_distributed_optimizer_layout
 from lwjax.layout import PARAM_ALIGN, POLICIES, ParamSpec, bucket_end_divisor, pad_param_start
 from lwjax.policies import buffer_key_of, compute_full_param_layout, compute_layout
@@ -273,3 +274,27 @@ def test_ns_flops_formula():
     assert ns_flops(
         (4096, 64), 5, (1024, 512, 512), symmetric_share=lambda small, large: 0.5
     ) < ns_flops((4096, 64), 5, (1024, 512, 512))
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=100), min_size=0, max_size=6),
+    st.integers(min_value=1, max_value=4),
+)
+@settings(max_examples=200, deadline=None, database=None)
+def test_deal_busiest_device_is_within_grahams_bound_of_the_best(costs, devices):
+    """``cost.deal`` against every assignment: its busiest device carries at most 4/3 of the
+    least achievable busiest load, every item is dealt once, and its loads add up."""
+    owners = deal(costs, devices)
+    loads = device_loads(costs, owners, devices)
+    assert len(owners) == len(costs) and all(0 <= d < devices for d in owners)
+    assert sum(loads) == sum(costs)
+    best = min(
+        (
+            max(device_loads(costs, choice, devices))
+            for choice in product(range(devices), repeat=len(costs))
+        ),
+        default=0,
+    )
+    assert max(loads, default=0) * 3 <= best * 4
+    if devices > 1 and costs and max(costs) * 2 >= sum(costs):  # one outweighs the rest
+        assert max(loads) == max(costs)
