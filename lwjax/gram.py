@@ -81,6 +81,15 @@ def upper_gram(x: jax.Array, axis: int, dtype, *, interpret: bool = False) -> ja
             f"{BLOCK} and at least {MIN_SIZE}, contracted (axis -1 or -2) over a multiple of "
             f"{BLOCK_K}; got {x.shape=}, {x.dtype=}, {axis=}."
         )
+    return _upper_gram(x, axis, jnp.dtype(dtype), interpret)
+
+
+# Jitted so that a step with many calls on stacks of one shape traces and lowers the kernel
+# once per shape (Newton-Schulz calls it twice a step for every slot group: 200 calls and
+# 4.6 s of tracing and lowering in the 1b workload's step when each was built anew).
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _upper_gram(x: jax.Array, axis: int, dtype, interpret: bool) -> jax.Array:
+    """:func:`upper_gram` after its checks."""
     rows, cols = x.shape[-2:]
     size, depth = (rows, cols) if axis == -1 else (cols, rows)
     tiles = size // BLOCK

@@ -116,3 +116,21 @@ def test_folded_newton_schulz_with_the_kernel_stays_as_near_fp32(
     }
     assert errors["kernel"] <= 1.05 * errors["xla"], errors
     assert errors["xla"] < 0.01, errors
+
+
+def test_kernel_is_built_once_per_stack_shape_in_a_traced_step(small_grams, monkeypatch):
+    """Five Newton-Schulz steps trace one Pallas call per distinct stack shape (X and A),
+    not two per step: the step's tracing and lowering then grow with the shapes, not the calls."""
+    built = []
+    pallas_call = gram.pl.pallas_call
+    monkeypatch.setattr(
+        gram.pl, "pallas_call", lambda *a, **k: built.append(1) or pallas_call(*a, **k)
+    )
+    steps = ns_lib._coefficient_schedule("quintic", 5)
+    x = jnp.zeros((2, 256, 512), jnp.bfloat16)
+    jax.jit(
+        lambda x: ns_lib._iterate_folded(
+            x, steps, precision=jax.lax.Precision.DEFAULT, acc_dtype=jnp.float32
+        )
+    ).lower(x)
+    assert len(built) == 2
