@@ -123,13 +123,9 @@ def _check_size(name: str, value) -> None:
         )
 
 
-def _check_dp(dp) -> None:
-    _check_size("dp", dp)
-
-
 def divisors(dp: int) -> tuple[int, ...]:
     """The group sizes ``dp`` allows: its divisors, ascending."""
-    _check_dp(dp)
+    _check_size("dp", dp)
     small = [d for d in range(1, math.isqrt(dp) + 1) if dp % d == 0]
     return tuple(sorted(set(small + [dp // d for d in small])))
 
@@ -197,7 +193,7 @@ def sharding_option(
       ValueError: ``shards`` does not divide ``dp``, ``devices_per_rank`` is not a
         positive integer, or as :func:`~lwjax.policies.compute_full_param_layout`.
     """
-    _check_dp(dp)
+    _check_size("dp", dp)
     _check_size("devices_per_rank", devices_per_rank)
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or dp % shards:
         raise ValueError(

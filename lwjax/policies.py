@@ -52,7 +52,7 @@ from lwjax.layout import (
 
 NUMEL_CAP_SLACK = 0.3  # ns_cost: a shard may hold up to 1.3x the even element share.
 PADDING_FLOOR = 0.9  # a bucket is at least 0.9 * dp * (largest parameter) elements.
-BALANCED_HEADROOM = 2  # balanced: a bucket holds at least 2 * dp * (largest parameter) elements.
+BALANCED_HEADROOM = 1  # balanced: a bucket holds at least dp * (largest parameter) elements.
 # balanced: the element caps tried, as fractions above the even share of a bucket.
 BALANCED_SLACKS = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5)
 
