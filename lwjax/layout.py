@@ -32,8 +32,8 @@ PARAM_ALIGN = 64
 BUCKET_ALIGN = 128
 HIGH_BUSBW_ALIGN = 2**16
 
-LayoutPolicy = Literal["ns_cost", "lpt", "size_matching"]
-POLICIES: tuple[str, ...] = ("ns_cost", "lpt", "size_matching")
+LayoutPolicy = Literal["ns_cost", "lpt", "size_matching", "balanced"]
+POLICIES: tuple[str, ...] = ("ns_cost", "lpt", "size_matching", "balanced")
 DEFAULT_POLICY: LayoutPolicy = "ns_cost"
 AUTO_BUCKET_MIN = 40_000_000  # Megatron's DDP bucket size: max(40M, 1M * dp) elements
 AUTO_BUCKET_PER_RANK = 1_000_000

@@ -34,6 +34,7 @@ from lwjax import step as step_lib
 from lwjax.config import MatrixConvention as MatrixConvention
 from lwjax.config import OptimizerConfig, ScalarOrSchedule
 from lwjax.config import ParamSync as ParamSync
+from lwjax.groups import AutoGroups, GroupChoice
 from lwjax.layout import LayoutConfig
 from lwjax.muon import MuonConfig
 from lwjax.parallel.axes import MeshAxes
@@ -97,6 +98,8 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         ``P()`` for dense leaves, the expert axis split over ``expert_axis``
         for expert leaves, the split axes over ``param_axes`` for split
         leaves; just ``P()`` when nothing is split.
+      groups: The :class:`~lwjax.groups.GroupChoice` that chose the sharding
+        groups (``replica_axis="auto"``), or ``None``.
     """
 
     plan: StepPlan
@@ -109,6 +112,7 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
     expert_axis: str | None
     param_axes: str | tuple[str, ...] | None
     param_specs: Any
+    groups: GroupChoice | None
 
     def __new__(
         cls,
@@ -125,13 +129,14 @@ class LayerwiseOptimizer(optax.GradientTransformationExtraArgs):
         expert_axis: str | None = None,
         param_axes: str | tuple[str, ...] | None = None,
         param_specs: Any = None,
+        groups: GroupChoice | None = None,
     ):
         self = super().__new__(cls, init, update)
         self.plan, self.mesh, self.axis = plan, mesh, axis
         self.local_update, self.state_specs = local_update, state_specs
         self.local_params, self.gather_params = local_params, gather_params
         self.expert_axis, self.param_axes = expert_axis, param_axes
-        self.param_specs = param_specs
+        self.param_specs, self.groups = param_specs, groups
         return self
 
     def __copy__(self) -> LayerwiseOptimizer:
@@ -206,7 +211,7 @@ def layerwise_muon(
     *,
     axis: str = "dp",
     expert_axis: str | None = None,
-    replica_axis: str | None = None,
+    replica_axis: str | AutoGroups | None = None,
     param_axes: str | tuple[str, ...] | None = None,
     learning_rate: ScalarOrSchedule = 0.02,
     adam_learning_rate: ScalarOrSchedule | None = None,
@@ -244,8 +249,13 @@ def layerwise_muon(
     ``replica_axis``, the layout spans the ``(axis, expert_axis)`` devices of
     one group and each of the ``replica_axis`` groups holds a copy of the
     optimizer state; the batch is split over all three axes, gradients are
-    reduce-scattered within a group and summed across groups
-    (:mod:`lwjax.groups` chooses the group size).
+    reduce-scattered within a group and summed across groups.
+    ``replica_axis="auto"`` (or :class:`~lwjax.groups.AutoGroups`) chooses the
+    group size and layout policy (:func:`lwjax.parallel.mesh.auto_groups`) and
+    runs on ``mesh`` with ``axis`` split into ``("replica", axis)``: the
+    optimizer's :attr:`~LayerwiseOptimizer.mesh`, whose devices hold a batch
+    split over ``axis`` of ``mesh`` as before; it warns when the choice misses
+    a bound or its groups span hosts (:attr:`~LayerwiseOptimizer.groups` says why).
 
     Tensor parallelism: with ``param_axes``, a leaf whose sharding
     (``NamedSharding`` of an array or ``jax.ShapeDtypeStruct``) names that
@@ -268,7 +278,8 @@ def layerwise_muon(
       axis: The data-parallel axis.
       expert_axis: The expert-parallel axis, or ``None`` (expert leaves, if
         any, then live in expert buffers sharded over ``axis``).
-      replica_axis: The axis across sharding groups, or ``None`` (one group).
+      replica_axis: The axis across sharding groups, ``None`` (one group), or
+        ``"auto"`` / :class:`~lwjax.groups.AutoGroups` (choose them).
       param_axes: The mesh axis that splits parameters (tensor parallelism,
         FSDP), or a tuple of them, or ``None``; which leaves are split over
         it is read from their shardings.
@@ -308,6 +319,27 @@ def layerwise_muon(
     """
     param_axes = _renamed_tensor_axis(param_axes, tensor_axis)
     _check_learning_rates(learning_rate, adam_learning_rate)
+    groups = None
+    if replica_axis == "auto" or isinstance(replica_axis, AutoGroups):
+        auto = AutoGroups() if replica_axis == "auto" else replica_axis
+        if expert_axis is not None:
+            raise ValueError(
+                "layerwise_muon: replica_axis='auto' does not choose groups beside an "
+                f"expert_axis ({expert_axis!r}); build the groups with group_mesh(mesh, G) and "
+                "pass replica_axis='replica'."
+            )
+        mesh, layout, groups = auto_groups(
+            params,
+            mesh,
+            axis=axis,
+            param_axes=param_axes,
+            groups=auto,
+            layout=layout,
+            routing=routing,
+            matrix_convention=config.matrix_convention,
+        )
+        _warn_groups(groups)
+        replica_axis = auto.name
     axes = mesh_axes(mesh, axis, expert_axis, replica_axis, param_axes)
     plan = plan_step(
         plan_params(
@@ -326,7 +358,20 @@ def layerwise_muon(
         adam_learning_rate,
     )
     _check_tensor_splits(plan, muon)
-    return _optimizer(plan, mesh, axis, expert_axis, param_axes)
+    return _optimizer(plan, mesh, axis, expert_axis, param_axes)._replace(groups=groups)
+
+
+def _warn_groups(choice: GroupChoice) -> None:
+    """Say when the groups ``replica_axis="auto"`` chose miss a bound or span hosts."""
+    if choice.notes:
+        option = choice.option
+        warnings.warn(
+            f"layerwise_muon: replica_axis='auto' chose groups of {option.shards} "
+            f"({option.policy}): " + " ".join(choice.notes) + " (optimizer.groups has every "
+            "option; pass replica_axis='replica' with group_mesh(mesh, G) to fix G.)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _renamed_tensor_axis(param_axes, tensor_axis):

@@ -13,6 +13,13 @@ exactly (see ``tests/fixtures/layouts``):
   :math:`\\max(m, n)\\min(m, n)^2` onto the least-loaded shard among those that
   stay under :math:`1.3\\times` the even element share; buckets close only when
   the next parameter would grow the shard size (a soft minimum).
+* ``balanced``: lwjax's, for sharding groups (:mod:`lwjax.groups`), where
+  ``dp`` is near the number of matrices and neither elements nor
+  Newton–Schulz work may go uneven. Buckets of at least
+  :data:`BALANCED_HEADROOM` ``* dp *`` (largest parameter), split evenly; in
+  each, costliest Newton–Schulz first onto the shard with the least work so far
+  (across buckets) among those that stay under the tightest element cap that
+  fits every parameter (:func:`_emit_balanced`).
 
 All policies walk the parameters in backprop order (reverse definition order),
 isolate tied embeddings in buckets of their own (whole, in shard 0), start every
@@ -27,9 +34,10 @@ lays out each with the one it needs.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
-from lwjax.cost import ns_cost
+from lwjax.cost import ns_cost, ns_flops
 from lwjax.elementwise_layout import check_size, check_specs, compute_distributed_optimizer_layout
 from lwjax.layout import (
     BufferKey,
@@ -44,6 +52,9 @@ from lwjax.layout import (
 
 NUMEL_CAP_SLACK = 0.3  # ns_cost: a shard may hold up to 1.3x the even element share.
 PADDING_FLOOR = 0.9  # a bucket is at least 0.9 * dp * (largest parameter) elements.
+BALANCED_HEADROOM = 1  # balanced: a bucket holds at least dp * (largest parameter) elements.
+# balanced: the element caps tried, as fractions above the even share of a bucket.
+BALANCED_SLACKS = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5)
 
 
 class _BucketWriter:
@@ -141,14 +152,17 @@ def _emit_ns_cost(writer: _BucketWriter, chunk: list[ParamSpec], compute_loads: 
     cursors = [0] * dp
     shards: list[list[tuple[str, int]]] = [[] for _ in range(dp)]
     cap = (sum(p.numel for p in chunk) / dp) * (1 + NUMEL_CAP_SLACK)
+    starts = [0] * dp  # pad_param_start(cursors[s]), kept beside the cursors
     for spec in sorted(chunk, key=lambda p: -ns_cost(p)):
-        fits = [s for s in range(dp) if pad_param_start(cursors[s]) + spec.numel <= cap]
+        room = cap - spec.numel
+        fits = [s for s in range(dp) if starts[s] <= room]
         if fits:
-            s = min(fits, key=lambda s: compute_loads[s])
+            s = min(fits, key=compute_loads.__getitem__)
         else:
             s = cursors.index(min(cursors))
         shards[s].append((spec.name, spec.numel))
-        cursors[s] = pad_param_start(cursors[s]) + spec.numel
+        cursors[s] = starts[s] + spec.numel
+        starts[s] = pad_param_start(cursors[s])
         compute_loads[s] += ns_cost(spec)
     writer.write(shards, max(cursors))
 
@@ -241,10 +255,86 @@ def _layout_size_matching(specs, dp, bucket_size, writer: _BucketWriter) -> None
         writer.write(shards, cursor)
 
 
+def _balanced_chunks(pool: list[ParamSpec], dp: int, bucket_size) -> list[list[ParamSpec]]:
+    """``pool`` (backprop order) cut into ``k`` runs of about equal elements, ``k`` as many as
+    keep each at least ``max(bucket_size, BALANCED_HEADROOM * dp * largest)`` (one run with
+    ``bucket_size=None``)."""
+    total = sum(spec.numel for spec in pool)
+    smallest = max(bucket_size or 0, BALANCED_HEADROOM * dp * max(s.numel for s in pool))
+    k = 1 if bucket_size is None else max(1, min(len(pool), total // smallest))
+    chunks: list[list[ParamSpec]] = [[]]
+    seen = 0
+    for spec in pool:
+        if seen >= len(chunks) * total / k and len(chunks) < k:
+            chunks.append([])
+        chunks[-1].append(spec)
+        seen += spec.numel
+    return chunks
+
+
+def _pack_balanced(chunk: list[ParamSpec], loads: list[int], cap: int | None):
+    """Costliest Newton–Schulz first onto the shard with the least work (``loads``), then the
+    fewest elements, among those it fits under ``cap``; ``None`` when one fits nowhere."""
+    dp = len(loads)
+    cursors = [0] * dp
+    shards: list[list[tuple[str, int]]] = [[] for _ in range(dp)]
+    heap = [(load, 0, s) for s, load in enumerate(loads)]  # (work, elements, shard)
+    heapq.heapify(heap)
+    costs = {spec.name: ns_flops(spec.shape) or spec.numel for spec in chunk}
+    for spec in sorted(chunk, key=lambda p: (-costs[p.name], -p.numel)):
+        skipped = []
+        while heap and cap is not None and pad_param_start(heap[0][1]) + spec.numel > cap:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, cursor, s = heapq.heappop(heap)
+        shards[s].append((spec.name, spec.numel))
+        cursors[s] = pad_param_start(cursor) + spec.numel
+        heapq.heappush(heap, (load + costs[spec.name], cursors[s], s))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    new_loads = [0] * dp
+    for load, _, s in heap:
+        new_loads[s] = load
+    return shards, cursors, new_loads
+
+
+def _emit_balanced(writer: _BucketWriter, chunk: list[ParamSpec], loads: list[int]) -> None:
+    """Pack ``chunk`` under the tightest cap of :data:`BALANCED_SLACKS` above the even share
+    (at least the largest parameter) that fits it whole; ``loads`` carries the shards'
+    Newton–Schulz FLOPs across buckets."""
+    even = max(
+        max(pad_param_start(spec.numel) for spec in chunk),
+        -(-sum(pad_param_start(spec.numel) for spec in chunk) // writer.dp),
+    )
+    for slack in (*BALANCED_SLACKS, None):
+        cap = None if slack is None else int(even * (1 + slack))
+        packed = _pack_balanced(chunk, loads, cap)
+        if packed is not None:
+            break
+    shards, cursors, loads[:] = packed
+    writer.write(shards, max(cursors))
+
+
+def _layout_balanced(specs, dp, bucket_size, writer: _BucketWriter) -> None:
+    loads = [0] * dp
+    pool: list[ParamSpec] = []
+    for spec in [*reversed(specs), None]:
+        if spec is None or spec.is_shared_embedding:
+            for chunk in _balanced_chunks(pool, dp, bucket_size) if pool else ():
+                _emit_balanced(writer, chunk, loads)
+            pool = []
+            if spec is not None:
+                writer.write_shared(spec)
+        else:
+            pool.append(spec)
+
+
 _POLICY_FUNCTIONS = {
     "ns_cost": _layout_ns_cost,
     "lpt": _layout_lpt,
     "size_matching": _layout_size_matching,
+    "balanced": _layout_balanced,
 }
 
 

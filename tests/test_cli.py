@@ -745,7 +745,7 @@ def _print_tables(name, tmp_path):
         return ["policy", "padding", "max/mean el.", "max/mean NS FLOPs"]
     if name == "groups":
         assert main(["layout", "--preset", "llama8b", "--dp", "64", "--groups"]) == 0
-        return ["group size", "policy", "padding", "state el./device", "max rank NS FLOPs"]
+        return ["group size", "policy", "padding", "max device NS FLOPs", "NS / least"]
     optimizer, step = _bench_records()
     if name == "bench":
         render.print_bench(optimizer)

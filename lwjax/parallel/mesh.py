@@ -10,12 +10,15 @@ with sharding groups (Megatron's ``num_optimizer_shards``);
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 from jax.sharding import Mesh
 
 from lwjax.config import MatrixConvention
-from lwjax.groups import MAX_PADDING, choose_groups
+from lwjax.groups import AutoGroups, GroupChoice, choose_groups
 from lwjax.layout import LayoutConfig
 from lwjax.parallel.axes import MeshAxes, as_axis_tuple
 from lwjax.param_tree import route_params
@@ -99,41 +102,84 @@ def group_mesh(mesh: Mesh, shards: int, *, axis: str = "dp", replica_axis: str =
     return Mesh(devices, names)
 
 
+def mesh_hosts(mesh: Mesh, axis: str, devices_per_host: int | None = None) -> Callable[[int], int]:
+    """``G -> hosts the widest group of`` :func:`group_mesh` ``(mesh, G)`` spans.
+
+    A device's host is ``device.id // devices_per_host``, or its process
+    (``device.process_index``) when ``devices_per_host`` is ``None``.
+    """
+    host = np.vectorize(
+        (lambda d: d.process_index)
+        if devices_per_host is None
+        else (lambda d: d.id // devices_per_host),
+        otypes=[int],
+    )(mesh.devices)
+    i = mesh.axis_names.index(axis)
+
+    def hosts(shards: int) -> int:
+        split = host.reshape(host.shape[:i] + (-1, shards) + host.shape[i + 1 :])
+        groups = np.moveaxis(split, i, 0).reshape(split.shape[i], -1)
+        return max(len(set(group.tolist())) for group in groups)
+
+    return hosts
+
+
 def auto_groups(
     params,
     mesh: Mesh,
     *,
     axis: str = "dp",
-    replica_axis: str = "replica",
+    param_axes: str | tuple[str, ...] | None = None,
+    groups: AutoGroups = AutoGroups(),
     layout: LayoutConfig = LayoutConfig(),
     routing: RoutingRules = RoutingRules(),
     matrix_convention: MatrixConvention = "in_out",
-    max_padding: float = MAX_PADDING,
-) -> tuple[Mesh, LayoutConfig]:
-    """The sharding groups :func:`lwjax.groups.choose_groups` picks for ``params`` over ``axis``:
-    ``(group_mesh(mesh, G), layout with the chosen policy)``, for :func:`lwjax.layerwise_muon`.
+) -> tuple[Mesh, LayoutConfig, GroupChoice]:
+    """The sharding groups :func:`lwjax.groups.choose_groups` picks for ``params`` on ``mesh``:
+    ``(group_mesh(mesh, G, replica_axis=groups.name), layout with the chosen policy, the
+    choice)``, for :func:`lwjax.layerwise_muon` (which does this itself with
+    ``replica_axis="auto"``).
 
-    Among the group sizes ``G`` dividing the axis and the layout policies, the
-    layouts padded by at most ``max_padding`` (a fraction; Megatron-scale dp
-    needs groups to stay there), the one whose busiest rank does the least
-    Newton–Schulz work. ``G`` equal to the axis size is one group (the mesh
-    then has a ``replica_axis`` of size 1).
+    Each rank's matrices are orthogonalised over its ``param_axes`` devices (their
+    sizes' product); hosts are read off the mesh's devices (:func:`mesh_hosts`).
+    ``G`` equal to the axis size is one group (the mesh then has a replica axis
+    of size 1).
+
+    Raises:
+      ValueError: ``axis`` or a ``param_axes`` name not in the mesh, the mesh
+        already has an axis named ``groups.name``, or as :func:`~lwjax.groups.choose_groups`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np
       >>> from lwjax import layerwise_muon
       >>> params = {f"w{i}": jnp.zeros((64, 64)) for i in range(4)}
-      >>> grouped, layout = auto_groups(params, Mesh(np.array(jax.devices()[:8]), ("dp",)))
+      >>> grouped, layout, choice = auto_groups(params, Mesh(np.array(jax.devices()[:8]), ("dp",)))
       >>> dict(grouped.shape)  # four matrices: more than 4 shards only pad
       {'replica': 2, 'dp': 4}
       >>> opt = layerwise_muon(params, grouped, replica_axis="replica", layout=layout)
     """
-    if axis not in mesh.axis_names:
-        raise ValueError(f"auto_groups: mesh has axes {mesh.axis_names}; no axis {axis!r}.")
+    tensor_axes = () if param_axes is None else as_axis_tuple(param_axes)
+    for name in (axis, *tensor_axes):
+        if name not in mesh.axis_names:
+            raise ValueError(f"auto_groups: mesh has axes {mesh.axis_names}; no axis {name!r}.")
+    if groups.name in mesh.axis_names:
+        raise ValueError(
+            f"auto_groups: mesh already has an axis named {groups.name!r}; name the axis across "
+            "groups otherwise (AutoGroups(name=...))."
+        )
     specs = param_specs(route_params(params, routing, matrix_convention=matrix_convention))
-    choice = choose_groups(specs, mesh.shape[axis], layout, max_padding=max_padding)
-    grouped = group_mesh(mesh, choice.shards, axis=axis, replica_axis=replica_axis)
-    return grouped, dataclasses.replace(layout, policy=choice.policy)
+    choice = choose_groups(
+        specs,
+        mesh.shape[axis],
+        layout,
+        policies=groups.policies,
+        devices_per_rank=math.prod(mesh.shape[name] for name in tensor_axes),
+        hosts=mesh_hosts(mesh, axis, groups.devices_per_host),
+        max_padding=groups.max_padding,
+        max_ns_ratio=groups.max_ns_ratio,
+    )
+    grouped = group_mesh(mesh, choice.option.shards, axis=axis, replica_axis=groups.name)
+    return grouped, dataclasses.replace(layout, policy=choice.option.policy), choice
 
 
 # A bucket closes once it holds this many elements: below MAX_BUCKET_ELEMENTS (int32

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lwjax.groups import ShardingOption
+from lwjax.groups import GroupChoice
 from lwjax.layout import DEFAULT_POLICY, LayoutConfig
 from lwjax.tools.fit_table import Column
 from lwjax.tools.layout_report import BufferSummary, LayoutSummary, PolicyResult
@@ -293,34 +293,32 @@ def comparison_json(results: Sequence[PolicyResult]) -> list[dict]:
     ]
 
 
-def print_groups(
-    options: Sequence[ShardingOption],
-    chosen: ShardingOption,
-    *,
-    model: str,
-    specs: Sequence,
-    dp: int,
-    max_padding: float,
-) -> None:
-    """Print every sharding-group size and policy for ``dp`` ranks, the chosen one in green."""
+def print_groups(choice: GroupChoice, *, model: str, specs: Sequence, dp: int) -> None:
+    """Print every sharding-group option weighed for ``dp`` ranks, the chosen one in green,
+    and the choice's notes."""
     out = console()
     total = sum(spec.numel for spec in specs)
+    chosen = choice.option
+    holds = "holds" if choice.holds_bounds else "misses"
     rows = table(
-        f"Sharding groups for {model}: {count(total)} elements, dp {dp}; chosen: groups of "
-        f"{chosen.shards} ({chosen.policy}), padding <= {100 * max_padding:g}% and least "
-        "NS work on the busiest rank",
+        f"Sharding groups for {model}: {count(total)} elements, dp {dp}, "
+        f"{chosen.devices_per_rank} device(s) per rank; chosen: groups of {chosen.shards} "
+        f"({chosen.policy}), {holds} padding <= {100 * choice.max_padding:g}% and NS <= "
+        f"{choice.max_ns_ratio:g}x the least ({flops(choice.least_ns_flops)})",
         (
             Column("group size"),
             Column("groups", drop=3),
             Column("policy", text=True),
             Column("buffer size", drop=2),
             Column("padding"),
-            Column("state el./device"),
+            Column("state el./device", drop=4),
             Column("grad el. sent/device", drop=1),
-            Column("max rank NS FLOPs"),
+            Column("max device NS FLOPs"),
+            Column("NS / least"),
+            Column("hosts", drop=5),
         ),
     )
-    for option in options:
+    for option in choice.options:
         cells = [
             str(option.shards),
             str(option.replicas),
@@ -329,15 +327,19 @@ def print_groups(
             pct(100 * option.padding),
             count(option.state_numel_per_device),
             count(round(option.reduced_numel_per_device)),
-            flops(option.max_rank_ns_flops),
+            flops(option.max_device_ns_flops),
+            f"{choice.ns_ratio(option):.2f}x",
+            "-" if option.hosts is None else str(option.hosts),
         ]
         if option is chosen:
             cells = [f"[bold green]{c}[/]" for c in cells]
         rows.add_row(*cells)
     out.print(rows)
+    for note in choice.notes:
+        out.print(note)
 
 
-def groups_json(options: Sequence[ShardingOption], chosen: ShardingOption) -> list[dict]:
+def groups_json(choice: GroupChoice) -> list[dict]:
     """The sharding-group options as the JSON of ``layout --groups --json``."""
     return [
         {
@@ -350,7 +352,10 @@ def groups_json(options: Sequence[ShardingOption], chosen: ShardingOption) -> li
             "state_numel_per_device": o.state_numel_per_device,
             "reduced_numel_per_device": o.reduced_numel_per_device,
             "max_rank_ns_flops": o.max_rank_ns_flops,
-            "chosen": o is chosen,
+            "max_device_ns_flops": o.max_device_ns_flops,
+            "ns_ratio": choice.ns_ratio(o),
+            "hosts": o.hosts,
+            "chosen": o is choice.option,
         }
-        for o in options
+        for o in choice.options
     ]

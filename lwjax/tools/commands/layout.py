@@ -11,7 +11,7 @@ Examples::
     lwjax layout --preset llama8b --dp 8
     lwjax layout --preset moe --dp 8 --expert-dp 4 --bucket-size 40000000 --compare
     lwjax layout --spec params.json --policy lpt --dp 4 --json
-    lwjax layout --preset llama8b --dp 1024 --groups
+    lwjax layout --preset llama8b --dp 1024 --groups --devices-per-rank 8 --devices-per-host 8
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import pathlib
 
 from lwjax.cost import DEFAULT_NUM_NS_STEPS
-from lwjax.groups import MAX_PADDING, best_option, sharding_options
+from lwjax.groups import MAX_NS_RATIO, MAX_PADDING, choose_groups, consecutive_hosts
 from lwjax.layout import DEFAULT_POLICY, POLICIES, LayoutConfig
 from lwjax.policies import compute_layout
 from lwjax.tools.commands.bench import bucket_size_arg
@@ -81,14 +81,23 @@ def _cmd_layout(args: argparse.Namespace) -> int:
     if args.groups:
         if args.expert_dp is not None:
             raise ValueError("--groups: sharding groups of expert buffers are not supported.")
-        options = sharding_options(specs, args.dp, layout, policies=POLICIES)
-        chosen = best_option(options, args.max_padding)
+        hosts = None
+        if args.devices_per_host is not None:
+            hosts = consecutive_hosts(args.dp, args.devices_per_rank, args.devices_per_host)
+        choice = choose_groups(
+            specs,
+            args.dp,
+            layout,
+            devices_per_rank=args.devices_per_rank,
+            hosts=hosts,
+            max_padding=args.max_padding,
+            max_ns_ratio=args.max_ns_ratio,
+            num_ns_steps=args.ns_steps,
+        )
         if args.json:
-            print_json(groups_json(options, chosen))
+            print_json(groups_json(choice))
         else:
-            print_groups(
-                options, chosen, model=model, specs=specs, dp=args.dp, max_padding=args.max_padding
-            )
+            print_groups(choice, model=model, specs=specs, dp=args.dp)
         return 0
     if args.compare:
         results = compare_policies(specs, args.dp, layout, **options)
@@ -183,7 +192,31 @@ def add_parser(subparsers) -> None:
         "--groups",
         action="store_true",
         help="sharding groups (Megatron's num_optimizer_shards): lay the model out over every "
-        "divisor of --dp under every policy, and show the chosen group size",
+        "divisor of --dp worth weighing under every policy, and show the chosen group size",
+    )
+    p.add_argument(
+        "--devices-per-rank",
+        type=int,
+        default=1,
+        metavar="T",
+        help="with --groups: tensor/FSDP devices per data-parallel rank; its matrices are dealt "
+        "out to them (default 1)",
+    )
+    p.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        metavar="H",
+        help="with --groups: devices per host (ranks' devices consecutive, dp major); groups "
+        "inside a host are preferred (default: hosts not weighed)",
+    )
+    p.add_argument(
+        "--max-ns-ratio",
+        type=float,
+        default=MAX_NS_RATIO,
+        metavar="R",
+        help="with --groups: the most busiest-device Newton-Schulz work, a multiple of the "
+        f"least achievable (default {MAX_NS_RATIO})",
     )
     p.add_argument(
         "--max-padding",
