@@ -148,7 +148,8 @@ def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp):
         lambda g, s, p: (lambda u, s: (jax.tree.map(jnp.add, p, u), s))(*opt.update(g, s, p))
     )
     for seed in (1, 2):
-        grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        draw = np.random.default_rng(seed)
+        grads = {k: draw.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
         ref.step(jax.tree.leaves(grads))
         current, state = step(_put(grads, specs, mesh), state, current)
     for k, want in ref.params().items():
