@@ -15,7 +15,10 @@ only on the matrices dealt to it, never on padding.
 :func:`device_ns_flops` counts the Newton–Schulz FLOPs each device computes
 in one step of a plan, as the step computes them (padding included where it is
 computed): the table ``lwjax plan`` prints and the tests hold to the ideal.
-Pure Python.
+It sums a device's work over the step; the step updates buckets one after
+another, each slot group between its two ``all_to_all``\ s, so a step's
+Newton–Schulz time follows the busiest device of each bucket, which the deal
+balances only as far as a bucket holds several matrices per rank. Pure Python.
 """
 
 from __future__ import annotations
