@@ -84,7 +84,10 @@ def bucket_views(plan: StepPlan, ranks) -> list[list[BucketView]]:
         for k in range(buffer.num_buckets):
             groups, scratch = shards.slot_groups(buffer, k)
             exchanges = tuple(
-                split_exchange(plan.axes, g, plan.transpose, plan.muon.tp_mode) for g in groups
+                split_exchange(
+                    plan.axes, g, plan.transpose, plan.muon.tp_mode, plan.axes.of(buffer.key)
+                )
+                for g in groups
             )
             per_buffer.append(BucketView(i, k, buffer, rank, tuple(groups), exchanges, scratch))
         views.append(per_buffer)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lwjax.layout import MAX_BUCKET_ELEMENTS
 from lwjax.param_plan import ParamPlan, Segment
 from lwjax.routing import path_name
 
@@ -244,11 +245,25 @@ def _read_leaf(runs: list[tuple[Segment, jax.Array]], shape: tuple[int, ...]) ->
 
 
 def _read_rows(array: jax.Array, starts: list[int], numel: int) -> jax.Array:
-    """Rows ``array[start : start + numel]`` for each start, as ``[len(starts), numel]``."""
+    """Rows ``array[start : start + numel]`` for each start, as ``[len(starts), numel]``.
+
+    Offsets past int32 (jax's index type without x64: a device's block of a
+    stacked leaf can hold more elements, e.g. a 70B model's fc1 stack at fsdp 8,
+    4.7e9) are read as whole rows of the array viewed ``[-1, numel]``, by row
+    index; a bucket's offsets always fit (``MAX_BUCKET_ELEMENTS``).
+    """
     steps = {b - a for a, b in zip(starts, starts[1:])}
     if steps <= {numel}:
         return array[starts[0] : starts[0] + len(starts) * numel].reshape(len(starts), numel)
     if steps == {-numel}:
         return array[starts[-1] : starts[0] + numel].reshape(len(starts), numel)[::-1]
-    offsets = jnp.asarray(starts, jnp.int32)
-    return jax.vmap(lambda start: lax.dynamic_slice(array, (start,), (numel,)))(offsets)
+    if max(starts) + numel <= MAX_BUCKET_ELEMENTS:
+        offsets = jnp.asarray(starts, jnp.int32)
+        return jax.vmap(lambda start: lax.dynamic_slice(array, (start,), (numel,)))(offsets)
+    if array.size % numel or any(start % numel for start in starts):
+        raise ValueError(
+            f"_read_rows: offsets up to {max(starts):,} pass int32 and are not whole rows of "
+            f"{numel:,} elements of an array of {array.size:,}."
+        )
+    rows = jnp.asarray([start // numel for start in starts], jnp.int32)
+    return jnp.take(array.reshape(-1, numel), rows, axis=0)

@@ -71,6 +71,10 @@ class SlotGroup:
         major first: ``shape`` is one device's block. ``((), ())``: whole.
       tensor_whole: The tensor-parallel mesh axes over which every device
         holds the same matrices (counted on the first device of each).
+      ns_devices: ``ns_devices[r][j]``: the device (its index over the
+        splitting axes, as :class:`lwjax.parallel.exchange.TensorSplit` orders
+        them) that assembles and orthogonalises rank ``r``'s ``j``-th matrix under
+        ``tp_mode="duplicated"`` (:mod:`lwjax.parallel.ns_deal`); ``()``: none dealt.
     """
 
     bucket: int
@@ -82,6 +86,7 @@ class SlotGroup:
     wd_mult: float = 1.0
     tensor_split: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     tensor_whole: tuple[int, ...] = ()
+    ns_devices: tuple[tuple[int, ...], ...] = ()
 
     @property
     def width(self) -> int:

@@ -19,6 +19,7 @@ from lwjax.config import MatrixConvention, OptimizerConfig, ScalarOrSchedule
 from lwjax.layout import LayoutConfig
 from lwjax.muon import MuonConfig
 from lwjax.parallel.axes import MeshAxes
+from lwjax.parallel.ns_deal import deal_newton_schulz
 from lwjax.param_plan import ParamPlan, make_plan
 from lwjax.param_tree import route_params
 from lwjax.plan import StepPlan
@@ -72,13 +73,17 @@ def plan_step(
     learning_rate: ScalarOrSchedule,
     adam_learning_rate: ScalarOrSchedule | None,
 ) -> StepPlan:
-    """``plan`` with the step's bucket schedule, options and per-leaf values."""
+    """``plan`` with the step's bucket schedule, options and per-leaf values, and its split
+    matrices dealt out to the devices that orthogonalise them
+    (:func:`~lwjax.parallel.ns_deal.deal_newton_schulz`)."""
     transpose = config.matrix_convention == "in_out" and (
         muon.scale_mode != "spectral" or any(r.qkv_split_shapes for r in plan.routes)
     )
     norm_groups = (None, *plan.grad_norm_groups)  # norm group 0 is the main norm
+    buffers = deal_newton_schulz(plan, muon.tp_mode, transpose, muon.num_ns_steps, muon.split_qkv)
     return StepPlan(
-        **{f.name: getattr(plan, f.name) for f in dataclasses.fields(ParamPlan)},
+        **{f.name: getattr(plan, f.name) for f in dataclasses.fields(ParamPlan)}
+        | {"buffers": buffers},
         schedule=schedule_buckets(
             plan, num_ns_steps=muon.num_ns_steps, transpose=transpose, split_qkv=muon.split_qkv
         ),

@@ -221,14 +221,24 @@ def reduce_scatter(
     out = [[None] * b.num_buckets for b in plan.buffers]
     for i, k in order:
         axis, size = plan.axes.of(plan.buffers[i].key), plan.buffers[i].shard_sizes[k]
-        if reduced:
-            shard = lax.dynamic_slice(packed[i][k], (lax.axis_index(axis) * size,), (size,))
-        else:
-            shard = lax.psum_scatter(packed[i][k], axis, tiled=True)
-            if plan.axes.replica is not None:  # 1/G of the bytes: cheaper after the scatter
+        shard = packed[i][k]  # no collective over a group of one (dp 1: fully sharded)
+        if reduced and plan.buffers[i].dp > 1:
+            shard = lax.dynamic_slice(shard, (lax.axis_index(axis) * size,), (size,))
+        elif not reduced:
+            if plan.buffers[i].dp > 1:
+                shard = lax.psum_scatter(shard, axis, tiled=True)
+            if plan.axes.replica_size > 1:  # 1/G of the bytes: cheaper after the scatter
                 shard = lax.psum(shard, plan.axes.replica)
         out[i][k] = shard.astype(dtype)
     return out
+
+
+def over_statistics(reduce, x, plan: StepPlan):
+    """``reduce`` (``lax.psum``, ``lax.pmax``) of ``x`` over the statistics axes, or ``x`` where
+    they hold one device: no collective over a group of one."""
+    if plan.axes.group_size * plan.axes.tp_size == 1:
+        return x
+    return reduce(x, plan.axes.statistics)
 
 
 def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
@@ -286,14 +296,14 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
             count = count - shards.rank_row([[p] for p in padding], rank)[0]
             zeros = zeros + count.astype(jnp.float32)
     sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
-    sums, zeros = lax.psum((sums, zeros), plan.axes.statistics)
+    sums, zeros = over_statistics(lax.psum, (sums, zeros), plan)
 
     def scaled_norms():
         peaks = per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum)
-        peaks = lax.pmax(peaks, plan.axes.statistics)
+        peaks = over_statistics(lax.pmax, peaks, plan)
         scale = jnp.where(peaks > 0, peaks, 1)
         scaled = per_group(lambda x, group: jnp.square(x / scale[group]), jnp.sum, jnp.add)
-        return scale * jnp.sqrt(lax.psum(scaled, plan.axes.statistics))
+        return scale * jnp.sqrt(over_statistics(lax.psum, scaled, plan))
 
     norms = lax.cond(jnp.any(jnp.isinf(sums)), scaled_norms, lambda: jnp.sqrt(sums))
     finite = jnp.all(jnp.isfinite(norms))
@@ -356,7 +366,7 @@ def finish(plan: StepPlan, state: LayerwiseState, params, new, stats: GradStats)
     )
     # A float: a model of 2**31 elements or more overflows a traced int32.
     real_numel = float(sum(math.prod(r.shape) for r in plan.routes))
-    update_rms = jnp.sqrt(lax.psum(delta_sq, plan.axes.statistics) / real_numel)
+    update_rms = jnp.sqrt(over_statistics(lax.psum, delta_sq, plan) / real_numel)
     new_params = None
     if gathered is not None:
         new_params = unpack(

@@ -47,6 +47,18 @@ def test_read_rows_slices_back_to_back_rows_and_gathers_the_rest(starts, ops):
     assert {op for op in ("slice", "rev", "gather") if f" {op}[" in jaxpr} == ops
 
 
+def test_read_rows_past_int32_reads_whole_rows_by_index(monkeypatch):
+    """Offsets past the index type (here a limit of 20 elements) are read as rows of the array
+    viewed ``[-1, numel]``: the same rows, no element offset in the program."""
+    monkeypatch.setattr(buffers_lib, "MAX_BUCKET_ELEMENTS", 20)
+    array, starts = jnp.arange(40.0), [0, 24, 8]
+    rows = _read_rows(array, starts, 4)
+    np.testing.assert_array_equal(np.asarray(rows), np.stack([np.arange(s, s + 4) for s in starts]))
+    assert "24" not in str(jax.make_jaxpr(lambda a: _read_rows(a, starts, 4))(array))
+    with pytest.raises(ValueError, match="not whole rows of 4 elements"):
+        _read_rows(array, [0, 26], 4)
+
+
 @pytest.mark.parametrize(
     "max_concat", [0, buffers_lib.MAX_CONCAT_OPERANDS, 10**6], ids=["dus", "default", "concat"]
 )
@@ -244,3 +256,32 @@ def test_reordered_views_pack_transposed_and_unpack_to_the_leaf(dp):
     start, end, _ = buffer.layout.param_index_map["q"]
     want = np.asarray(params["q"]).transpose(1, 0, 2).reshape(-1)  # [embed, heads * head_dim]
     np.testing.assert_array_equal(whole[start:end], want)
+
+
+def test_init_reads_a_leaf_whose_offsets_pass_int32():
+    """A 70B model's stacked fc1 ``[80, 8192, 57344]`` at dp 2 x fsdp 4 is 9.4e9 elements per
+    device: with 2**29-element buckets, pack reads its blocks at leaf offsets past int32
+    (0.4.0: OverflowError). Abstract shapes under ``jax.eval_shape``: nothing allocated."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import lwjax
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "fsdp"))
+    shape = (80, 8192, 57344)
+    params = {
+        "layers/fc1": jax.ShapeDtypeStruct(
+            shape, jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, "fsdp"))
+        )
+    }
+    opt = lwjax.layerwise_muon(
+        params,
+        mesh,
+        param_axes="fsdp",
+        layout=LayoutConfig(bucket_size=2**29),
+        routing=RoutingRules(stacked={"layers/*": 1}),
+    )
+    starts = [s.leaf_offset for s in opt.plan.buffers[0].segments]
+    assert max(starts) >= 2**31  # offsets into this device's block of the leaf
+    state = jax.eval_shape(opt.init, params)
+    assert sum(x.size for x in state.masters[0]) == np.prod(shape)  # every element, once

@@ -7,6 +7,8 @@ their own. The Megatron-Core comparison per mode is in
 ``test_megatron_tensor_parallel.py``.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -592,3 +594,38 @@ def test_adam_only_state_round_trips_through_logical_form_with_tensor_parallelis
     back = from_logical(opt, logical)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_no_collective_runs_over_a_group_of_one():
+    """dp 1 x fsdp 8 (gradients reduced per device, as make_train_step passes them): the
+    buckets' data-parallel groups hold one device each, so the step reduce-scatters and
+    gathers nothing over them (0.4.0 reduce-scattered every bucket over groups {0}, ..., {7},
+    copying every local gradient in fp32); its collectives all span several devices."""
+    rng = np.random.default_rng(0)
+    params = {
+        "layers/up": (rng.standard_normal((4, D, FFN)) / 4).astype(np.float32),
+        "norm": np.ones(D, np.float32),
+    }
+    specs = {"layers/up": P(None, None, "fsdp"), "norm": P()}
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("dp", "fsdp"))
+    sharded = _put(params, specs, mesh)
+    opt = lwjax.layerwise_muon(
+        sharded, mesh, param_axes="fsdp", routing=RoutingRules(stacked={"layers/*": 1})
+    )
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s, p: opt.local_update(g, s, p)[:2],
+            mesh=mesh,
+            in_specs=(opt.param_specs, opt.state_specs, opt.param_specs),
+            out_specs=(opt.param_specs, opt.state_specs),
+            check_vma=False,
+        )
+    )
+    hlo = step.lower(sharded, opt.init(sharded), sharded).compile().as_text()
+    groups = re.findall(
+        r"(reduce-scatter|all-gather|all-reduce|all-to-all)(?:-start)?\(.*?replica_groups="
+        r"\{\{([\d,]*)\}",
+        hlo,
+    )
+    assert {kind for kind, _ in groups} == {"all-reduce", "all-to-all"}  # norm; Newton–Schulz
+    assert all("," in first for _, first in groups)  # every group holds several devices

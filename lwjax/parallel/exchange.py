@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from jax import lax
 
 from lwjax.parallel.axes import MeshAxes
 from lwjax.param_plan import SlotGroup
+from lwjax.shards import rank_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,22 @@ class TensorSplit:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlotDeal:
+    """Which device assembles each of a rank's matrices of one slot group.
+
+    Attributes:
+      devices: ``devices[r][j]``: the device (index over the splitting axes,
+        :attr:`TensorSplit.names` order) of rank ``r``'s ``j``-th matrix
+        (:attr:`lwjax.param_plan.SlotGroup.ns_devices`).
+      rank_axes: The mesh axes whose index is the rank (the buffer's
+        :meth:`~lwjax.parallel.axes.MeshAxes.of`).
+    """
+
+    devices: tuple[tuple[int, ...], ...]
+    rank_axes: str | tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitExchange:
     """One tensor-parallel mode applied to matrices split as ``split`` says.
 
@@ -66,10 +84,12 @@ class SplitExchange:
     Attributes:
       split: How each matrix of the stack is split over the mesh axes.
       mode: One of ``lwjax.muon.TP_MODES``.
+      deal: Under ``"duplicated"``, which device assembles each matrix.
     """
 
     split: TensorSplit
     mode: str
+    deal: SlotDeal | None = None
 
     def orthogonalizer(self, ns: Callable) -> Callable[[jax.Array], jax.Array]:
         """``ns`` (Newton–Schulz of whole matrices, e.g. a partial of
@@ -87,7 +107,7 @@ class SplitExchange:
             reduce = functools.partial(lax.psum, axis_name=tuple(name for name, _ in side))
             return functools.partial(ns, sharded=(reduce, -2 if split.rows else -1))
         if self.mode == "duplicated":
-            return functools.partial(_assembled, ns, split)
+            return functools.partial(_assembled, ns, split, deal=self.deal)
         return ns
 
     def whole_shape(self, shape: tuple[int, int]) -> tuple[int, int] | None:
@@ -96,40 +116,103 @@ class SplitExchange:
         return None if self.mode == "blockwise" else self.split.full(shape)
 
 
-def _assembled(ns, split: TensorSplit, block: jax.Array) -> jax.Array:
+def _assembled(
+    ns, split: TensorSplit, block: jax.Array, *, deal: SlotDeal | None = None
+) -> jax.Array:
     """``ns`` of the whole matrices, each computed once; this device's block of each back.
 
-    The ``duplicated`` mode's update, without its duplicated work: matrix ``j``
-    of the stack (padded with zero matrices to a multiple of the ``t`` devices
-    the blocks are spread over) is assembled on device ``j // ceil(count / t)``
-    from every device's block (one ``all_to_all``), orthogonalised there whole,
-    and its blocks are sent back (another). Each device moves ``(t-1)/t`` of
-    its blocks each way, where an ``all_gather`` moves ``t-1`` times them, and
-    runs Newton–Schulz on ``1/t`` of the matrices (Megatron's proposed
-    ``layer_sharded`` mode does the same).
+    The ``duplicated`` mode's update, without its duplicated work: each of the
+    rank's matrices (the last leading axis of ``block``; axes before it, e.g.
+    QKV pieces, travel with their matrix) is assembled on the device
+    ``deal.devices[rank][j]`` of the ``t`` devices the blocks are spread over,
+    from every device's block (one ``all_to_all`` of equal chunks: the most
+    matrices any device assembles, zero-filled), orthogonalised there whole, and
+    its blocks are sent back (another). Each device moves ``(t-1)/t`` of its
+    chunks each way, where an ``all_gather`` moves ``t-1`` times them
+    (Megatron's proposed ``layer_sharded`` mode does the same), and runs
+    Newton–Schulz only on the matrices dealt to it: one branch of a
+    ``lax.switch`` per count of matrices a device assembles, so the zero fill
+    and the spare slots are never computed. Spare slots come back zero.
     """
+    if deal is None:
+        raise ValueError(
+            "tp_mode='duplicated': the split exchange needs the plan's deal of matrices to "
+            "devices (SlotGroup.ns_devices, set by lwjax.planner.plan_step)."
+        )
     grid_rows = [size for _, size in split.rows]
     grid_cols = [size for _, size in split.cols]
     k, t = len(grid_rows), math.prod(grid_rows) * math.prod(grid_cols)
     *lead, r, c = block.shape
-    count = math.prod(lead)
-    per = -(-count // t)
-    flat = block.reshape(count, r, c)
-    if per * t > count:
-        flat = jnp.concatenate([flat, jnp.zeros((per * t - count, r, c), flat.dtype)])
+    tables = _deal_tables(deal.devices, t, math.prod(lead[:-1]), lead[-1])
+    rank = lax.axis_index(deal.rank_axes) if len(deal.devices) > 1 else 0
+    per = tables.per
+    flat = block.reshape(-1, r, c)
+    to_send = jnp.take(flat, rank_row(tables.send, rank), axis=0, mode="fill", fill_value=0)
     # received[s]: the block at grid position s (row-major) of the matrices this device assembles.
-    received = lax.all_to_all(flat.reshape(t, per, r, c), split.names, 0, 0)
+    received = lax.all_to_all(to_send.reshape(t, per, r, c), split.names, 0, 0)
     grid = received.reshape(*grid_rows, *grid_cols, per, r, c)
     n = grid.ndim - 3  # grid axes
     to_whole = (n, *range(k), n + 1, *range(k, n), n + 2)  # [per, rows grid, r, cols grid, c]
     whole = grid.transpose(to_whole).reshape(
         per, r * math.prod(grid_rows), c * math.prod(grid_cols)
     )
-    done = ns(whole).reshape(per, *grid_rows, r, *grid_cols, c)
+    branch = jnp.asarray(rank_row(tables.branch, rank))[lax.axis_index(split.names)]
+    done = _dealt_only(ns, whole, tables.counts, branch).reshape(per, *grid_rows, r, *grid_cols, c)
     blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
     # back[g]: this device's block of the matrices device g assembled.
-    back = lax.all_to_all(blocks, split.names, 0, 0)
-    return back.reshape(t * per, r, c)[:count].reshape(block.shape)
+    back = lax.all_to_all(blocks, split.names, 0, 0).reshape(t * per, r, c)
+    out = jnp.take(back, rank_row(tables.receive, rank), axis=0, mode="fill", fill_value=0)
+    return out.reshape(block.shape)
+
+
+class _DealTables(NamedTuple):
+    """Per-rank index tables of one deal (:func:`_deal_tables`)."""
+
+    per: int  # stack items each device assembles in the all_to_all (the most over devices)
+    send: np.ndarray  # [ranks, t * per]: item sent in each chunk position (past the end: zero)
+    receive: np.ndarray  # [ranks, items]: chunk position of each item's result (past: zero)
+    branch: np.ndarray  # [ranks, t]: the entry of ``counts`` each device runs
+    counts: tuple[int, ...]  # the distinct numbers of real items a device assembles
+
+
+def _deal_tables(devices, t: int, pieces: int, width: int) -> _DealTables:
+    """The index tables that move a stack ``[pieces, width, ...]`` (item ``q * width + j``) as
+    ``devices`` deals its matrices: device ``d``'s chunk holds its matrices in slot order, each
+    with its ``pieces`` consecutively, real ones first."""
+    if any(len(row) > width for row in devices):
+        raise ValueError(f"deal of {max(map(len, devices))} matrices for a stack of {width}.")
+    mine = [
+        [[j for j, d in enumerate(row) if d == device] for device in range(t)] for row in devices
+    ]
+    per = pieces * max(len(slots) for row in mine for slots in row)
+    items = pieces * width
+    send = np.full((len(devices), t * per), items, np.int32)
+    receive = np.full((len(devices), items), t * per, np.int32)
+    for r, row in enumerate(mine):
+        for device, slots in enumerate(row):
+            for p, j in enumerate(slots):
+                for q in range(pieces):
+                    position = device * per + p * pieces + q
+                    send[r, position] = q * width + j
+                    receive[r, q * width + j] = position
+    sizes = [[pieces * len(slots) for slots in row] for row in mine]
+    counts = tuple(sorted({n for row in sizes for n in row}))
+    branch = np.asarray([[counts.index(n) for n in row] for row in sizes], np.int32)
+    return _DealTables(per, send, receive, branch, counts)
+
+
+def _dealt_only(ns, whole: jax.Array, counts: tuple[int, ...], branch) -> jax.Array:
+    """``ns`` of the first ``counts[branch]`` matrices of ``whole``, zeros after them: one
+    ``lax.switch`` branch per count, so a device computes only its own matrices."""
+    dtype = jax.eval_shape(ns, whole[:1]).dtype
+
+    def first(n, x):
+        rest = jnp.zeros((x.shape[0] - n, *x.shape[1:]), dtype)
+        return rest if n == 0 else ns(x) if n == x.shape[0] else jnp.concatenate([ns(x[:n]), rest])
+
+    if len(counts) == 1:
+        return first(counts[0], whole)
+    return lax.switch(branch, [functools.partial(first, n) for n in counts], whole)
 
 
 def tensor_split(axes: MeshAxes, group: SlotGroup, transpose: bool = False) -> TensorSplit | None:
@@ -145,9 +228,17 @@ def tensor_split(axes: MeshAxes, group: SlotGroup, transpose: bool = False) -> T
 
 
 def split_exchange(
-    axes: MeshAxes, group: SlotGroup, transpose: bool, mode: str
+    axes: MeshAxes,
+    group: SlotGroup,
+    transpose: bool,
+    mode: str,
+    rank_axes: str | tuple[str, ...] | None = None,
 ) -> SplitExchange | None:
     """The :class:`SplitExchange` of a slot group's matrices under ``mode``, or ``None`` when
-    they are whole on each device."""
+    they are whole on each device; ``rank_axes``: the axes of the group's buffer
+    (:meth:`~lwjax.parallel.axes.MeshAxes.of`), for its deal of matrices to devices."""
     split = tensor_split(axes, group, transpose)
-    return None if split is None else SplitExchange(split, mode)
+    if split is None:
+        return None
+    deal = SlotDeal(group.ns_devices, rank_axes) if group.ns_devices else None
+    return SplitExchange(split, mode, deal)

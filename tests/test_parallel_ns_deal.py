@@ -1,0 +1,159 @@
+"""lwjax.parallel.ns_deal: which device orthogonalises which split matrix, and the work per device.
+
+The busiest device's Newton–Schulz FLOPs are computed from plans of Llama-shaped models on
+64 devices (no device needed: a plan is built from abstract leaves and their tensor dims);
+the step that runs the deal is checked against the unsharded reference at dp 2 x fsdp 4.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference import Reference
+
+import lwjax
+from lwjax.config import OptimizerConfig
+from lwjax.cost import ns_flops
+from lwjax.layout import LayoutConfig
+from lwjax.muon import MuonConfig
+from lwjax.optimizer import route_params
+from lwjax.parallel.axes import MeshAxes
+from lwjax.parallel.mesh import resolved_layout
+from lwjax.parallel.ns_deal import device_ns_flops
+from lwjax.planner import plan_params, plan_step
+from lwjax.routing import RoutingRules
+
+STACKED = RoutingRules(stacked={"layers/*": 1})
+
+
+def _llama(layers, hidden, heads, kv_heads, ffn, head_dim=128):
+    """A scanned Llama's matrices (``[L, in, out]``; fc1 is gate and up together) and norms."""
+    leaf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    return {
+        "layers/q": leaf(layers, hidden, heads * head_dim),
+        "layers/k": leaf(layers, hidden, kv_heads * head_dim),
+        "layers/v": leaf(layers, hidden, kv_heads * head_dim),
+        "layers/o": leaf(layers, heads * head_dim, hidden),
+        "layers/fc1": leaf(layers, hidden, 2 * ffn),
+        "layers/fc2": leaf(layers, ffn, hidden),
+        "layers/norm": leaf(layers, hidden),
+    }
+
+
+LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336)
+LLAMA_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672)
+
+
+def _fsdp_plan(params, dp, fsdp, muon=MuonConfig()):
+    """The step plan of ``params`` split over ``fsdp`` on their last axis beside ``dp``, with
+    the default layout as :func:`lwjax.layerwise_muon` resolves it."""
+    axes = MeshAxes("dp", dp_size=dp, tp=("fsdp",), tp_sizes=(fsdp,))
+    dims = [(len(leaf.shape) - 1,) for leaf in jax.tree.leaves(params)]
+    layout = resolved_layout(LayoutConfig(), axes, muon)
+    plan = plan_params(params, axes, layout, STACKED, tensor_dims=dims)
+    return plan_step(plan, OptimizerConfig(), muon, None, 0.01, None)
+
+
+@pytest.mark.parametrize(
+    "model, dp, fsdp",
+    [(LLAMA_8B, 8, 8), (LLAMA_70B, 8, 8), (LLAMA_70B, 2, 32), (LLAMA_70B, 1, 64)],
+    ids=["8B-dp8xfsdp8", "70B-dp8xfsdp8", "70B-dp2xfsdp32", "70B-fsdp64"],
+)
+def test_busiest_device_newton_schulz_is_near_its_share(model, dp, fsdp):
+    """Busiest device <= 1.25 x max(total / devices, largest matrix) by default, and every
+    matrix computed once: the table sums to each matrix's FLOPs, nothing for padding. (0.4.0
+    ran every slot group's width, padding included, on every device: 6.8-12.5x here.)"""
+    params = _llama(**model)
+    table = device_ns_flops(_fsdp_plan(params, dp, fsdp))
+    assert np.shape(table) == (dp, fsdp)
+    matrices = [leaf.shape for leaf in jax.tree.leaves(params) if len(leaf.shape) == 3]
+    total = sum(layers * ns_flops((m, n)) for layers, m, n in matrices)
+    assert sum(map(sum, table)) == total
+    largest = max(ns_flops((m, n)) for _, m, n in matrices)
+    assert max(map(max, table)) <= 1.25 * max(total / (dp * fsdp), largest)
+
+
+def test_device_ns_flops_counts_what_each_mode_computes():
+    """dp 2 x tp 2: three [64, 64] matrices split on their columns (rank 0 owns two, rank 1
+    one) and a whole [16, 16] gate (rank 1's; rank 0 runs a spare zero slot for it).
+    ``duplicated`` computes each split matrix once, on the device it is dealt to (rank 0's two
+    on its two devices); ``blockwise`` every slot of the group's width on the blocks (rank 1's
+    spare slot too); the gate's group runs on both devices of each rank."""
+    params = {
+        "layers/w": jax.ShapeDtypeStruct((3, 64, 64), jnp.float32),
+        "gate": jax.ShapeDtypeStruct((16, 16), jnp.float32),
+    }
+    axes = MeshAxes("dp", dp_size=2, tp=("tp",), tp_sizes=(2,))
+
+    def plan(mode):
+        plan = plan_params(params, axes, routing=STACKED, tensor_dims=[(None,), (2,)])
+        return plan_step(plan, OptimizerConfig(), MuonConfig(tp_mode=mode), None, 0.01, None)
+
+    gate_group, split_group = plan("duplicated").buffers[0].slot_groups
+    assert [len(n) for n in split_group.names] == [2, 1] and gate_group.names == ((), ("gate",))
+    split, gate, block = ns_flops((64, 64)), ns_flops((16, 16)), ns_flops((64, 32))
+    assert device_ns_flops(plan("duplicated")) == [[split + gate] * 2, [split + gate, gate]]
+    assert device_ns_flops(plan("blockwise")) == [[2 * block + gate] * 2] * 2
+
+
+D, FFN = 16, 32
+
+
+def _put(tree, specs, mesh):
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp):
+    """fsdp 4 beside dp 1 or 2: stacks of 5 and 3 matrices split over ``fsdp`` (uneven counts
+    per rank and per device) and a whole norm. Two steps equal the unsharded optimizer
+    (the reference). Every device runs only its own matrices: the compiled step switches
+    (``conditional``) between branches of the counts dealt, with no Newton–Schulz on a zero
+    fill (0.4.0 ran ceil(count / 4) matrices on every device, zeros included)."""
+    rng = np.random.default_rng(0)
+    leaves = {
+        "layers/up": ((5, D, FFN), P(None, None, "fsdp")),
+        "layers/down": ((3, FFN, D), P(None, "fsdp")),
+        "norm": ((D,), P()),
+    }
+    params = {k: (rng.standard_normal(s) / 4).astype(np.float32) for k, (s, _) in leaves.items()}
+    specs = {k: spec for k, (_, spec) in leaves.items()}
+    mesh = Mesh(np.array(jax.devices()[: 4 * dp]).reshape(dp, 4), ("dp", "fsdp"))
+    muon = MuonConfig(fp32_matmul_prec="highest")
+    sharded = _put(params, specs, mesh)
+    opt = lwjax.layerwise_muon(sharded, mesh, param_axes="fsdp", muon=muon, routing=STACKED)
+    counts = {
+        sum(d == device for d in row)
+        for b in opt.plan.buffers
+        for g in b.slot_groups
+        for row in g.ns_devices
+        for device in range(4)
+    }
+    assert len(counts) > 1  # devices assemble different numbers of matrices
+    ref = Reference(
+        params,
+        route_params(params, STACKED),
+        lr=0.02,
+        weight_decay=0.01,
+        clip_grad=1.0,
+        muon_config=muon,
+        in_out=True,
+    )
+    state, current = opt.init(sharded), sharded
+    step = jax.jit(
+        lambda g, s, p: (lambda u, s: (jax.tree.map(jnp.add, p, u), s))(*opt.update(g, s, p))
+    )
+    for seed in (1, 2):
+        draw = np.random.default_rng(seed)
+        grads = {k: draw.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        ref.step(jax.tree.leaves(grads))
+        current, state = step(_put(grads, specs, mesh), state, current)
+    for k, want in ref.params().items():
+        np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
+    hlo = step.lower(_put(grads, specs, mesh), state, current).compile().as_text()
+    switched = set(re.findall(r"= \(f32\[\d+,(\d+),(\d+)\]\S*\) conditional\(", hlo))
+    assert switched == {("32", "16"), ("16", "32")}  # each group's whole matrices, switched
