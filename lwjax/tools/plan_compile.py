@@ -23,6 +23,8 @@ import sys
 
 from lwjax.tools.plan_model import PlanMesh, PlanOptions, gpt_model, partition_specs
 
+OPTIMIZER_STEP = "optimizer step (lwjax has no tensor-parallel forward)"
+
 
 @dataclasses.dataclass(frozen=True)
 class CompileRequest:
@@ -48,10 +50,11 @@ def compiled_figures(request: CompileRequest) -> dict:
     """Compile the step of ``request`` on this process's first ``mesh.devices`` devices.
 
     Returns:
-      ``step`` (which step was compiled), XLA's ``argument_bytes``, ``output_bytes``,
-      ``alias_bytes`` (donated) and ``temp_bytes`` per device, ``input_bytes`` (the batch,
-      or the optimizer step's gradients: arguments beside parameters and state) and
-      ``collectives`` (:func:`~lwjax.tools.bench.compiled.step_collectives`).
+      ``step`` (which step was compiled), ``held_bytes`` (parameters and optimizer state
+      per device: the training step's arguments less its batch, or what the optimizer
+      step returns), XLA's ``argument_bytes``, ``output_bytes``, ``alias_bytes``
+      (donated) and ``temp_bytes`` per device, and ``collectives``
+      (:func:`~lwjax.tools.bench.compiled.step_collectives`).
     """
     import jax
 
@@ -66,23 +69,28 @@ def compiled_figures(request: CompileRequest) -> dict:
         raise ValueError(
             f"--compile: {request.mesh.devices} devices needed, {len(jax.devices())} present."
         )
-    step, args, name, input_bytes = _training_step(request)
+    step, args, name, batch_bytes = _training_step(request)
     compiled = step.lower(*args).compile()
     stats = compiled.memory_analysis()
+    if batch_bytes is None:  # the optimizer step returns the parameters and the state
+        held = stats.output_size_in_bytes
+    else:  # the training step takes them, with the batch
+        held = stats.argument_size_in_bytes - batch_bytes
     return dict(
         step=name,
+        held_bytes=int(held),
         argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes),
         alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes),
-        input_bytes=input_bytes,
         collectives={k: list(v) for k, v in step_collectives(compiled.as_text()).items()},
     )
 
 
 def _training_step(request: CompileRequest):
-    """``(jitted step, abstract arguments, what it is, bytes of its non-state inputs)``: the
-    benchmark's step for the request (see the module's docstring)."""
+    """``(jitted step, abstract arguments, what it is, bytes of its batch)``: the benchmark's
+    step for the request (see the module's docstring); the optimizer step's batch is
+    ``None``: it takes gradients and the state and returns the parameters and the state."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -140,17 +148,17 @@ def _training_step(request: CompileRequest):
         state_shardings(optimizer),
     )
     if "tp" in split:  # no tensor-parallel forward in lwjax: the optimizer's step alone
-        step = jit_shard_map(
-            lambda grads, state, params: optimizer.local_update(grads, state, params)[:2],
+        step = jit_shard_map(  # the parameters' dtypes are all it reads of them
+            lambda grads, state: optimizer.local_update(grads, state, params)[:2],
             mesh,
-            (optimizer.param_specs, optimizer.state_specs, optimizer.param_specs),
             (optimizer.param_specs, optimizer.state_specs),
-            donate_argnums=(1, 2),
+            (optimizer.param_specs, optimizer.state_specs),
+            donate_argnums=(1,),
         )
-        grad_bytes = sum(
-            x.size * x.dtype.itemsize // _split_ways(x, mesh) for x in jax.tree.leaves(params)
+        grads = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
         )
-        return step, (params, state, params), "optimizer step (lwjax has no TP forward)", grad_bytes
+        return step, (grads, state), OPTIMIZER_STEP, None
     data = ("dp", "fsdp") if cfg.fsdp else "dp"
     gather = functools.partial(fsdp_gather, reduce_in_fp32=cfg.grad_reduce_in_fp32)
     step = lwjax_step(cfg.loss(gather=gather if cfg.fsdp else None), optimizer, fsdp=cfg.fsdp)
@@ -160,15 +168,6 @@ def _training_step(request: CompileRequest):
     )
     name = "training step (benchmark's, FSDP)" if cfg.fsdp else "training step (benchmark's)"
     return step, (params, state, batch), name, cfg.micro_batch * (cfg.seq_len + 1) * 4
-
-
-def _split_ways(x, mesh) -> int:
-    """Devices an abstract array's sharding splits it over."""
-    ways = 1
-    for entry in x.sharding.spec:
-        for name in entry if isinstance(entry, tuple) else (entry,):
-            ways *= mesh.shape[name] if name is not None else 1
-    return ways
 
 
 def compile_in_subprocess(request: CompileRequest, timeout: float | None = None) -> dict:

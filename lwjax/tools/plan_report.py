@@ -253,13 +253,14 @@ def _optimizer_collectives(plan: StepPlan, mesh: PlanMesh, options) -> list[Coll
         Collective("parameter all-gather", "all-gather", group, mesh.dp, 0 if alone else buckets,
                    ag, param, "optimizer"),
     ]  # fmt: skip
-    # One psum of each norm group's squares (and one of the step's mean loss), over every
-    # data-parallel and split device.
+    # One psum of each norm group's sum of squares over every data-parallel and split device;
+    # the training step's mean loss joins it (XLA combines them).
     stats = ("replica", "dp", "fsdp", "tp")
-    rows.append(
-        Collective("gradient norm and loss (scalars)", "all-reduce", stats, mesh.devices, 1,
-                   len(plan.norm_groups) + 1, 4, "model")
-    )  # fmt: skip
+    rows += [
+        Collective("gradient norm (scalars)", "all-reduce", stats, mesh.devices, 1,
+                   len(plan.norm_groups), 4, "optimizer"),
+        Collective("loss (scalar)", "all-reduce", stats, mesh.devices, 1, 1, 4, "model"),
+    ]  # fmt: skip
     return rows
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lwjax.tools.fit_table import Column
+from lwjax.tools.plan_compile import OPTIMIZER_STEP
 from lwjax.tools.plan_report import RunPlan
-from lwjax.tools.render import console, count, flops, table
+from lwjax.tools.render import console, flops, table
 
 
 def nbytes(n: float) -> str:
@@ -56,28 +57,28 @@ def print_plan(run: RunPlan, compiled: dict | None = None) -> None:
         mem.add_row(key, nbytes(value), notes[key])
     mem.add_row("total", nbytes(run.total_bytes), "without activations", style="bold")
     if compiled:
-        argument = compiled["argument_bytes"] - compiled["input_bytes"]
-        off = 100 * (run.state_bytes / argument - 1)
+        held = compiled["held_bytes"]
+        off = 100 * (run.state_bytes / held - 1)
         mem.add_row(
             "XLA: parameters + state",
-            nbytes(argument),
-            f"arguments less inputs; the plan's {nbytes(run.state_bytes)} is {off:+.2f}%",
+            nbytes(held),
+            f"the plan's {nbytes(run.state_bytes)} is {off:+.2f}% off",
             style="cyan",
         )
+        temp = compiled["temp_bytes"]
+        mem.add_row("XLA: temporaries", nbytes(temp), compiled["step"], style="cyan")
         mem.add_row(
-            "XLA: temporaries", nbytes(compiled["temp_bytes"]), compiled["step"], style="cyan"
+            "XLA: step", nbytes(held + temp), "parameters, state, temporaries", style="cyan"
         )
-        peak = argument + compiled["temp_bytes"] + compiled["input_bytes"]
-        mem.add_row("XLA: step total", nbytes(peak), "arguments + temporaries", style="cyan")
     out.print(mem)
     comm = table(
         "Collectives per step, per device",
         [
             Column("collective", text=True, fold=True),
-            Column("kind", text=True),
+            Column("kind", text=True, drop=1),
             Column("axes", text=True),
-            Column("group"),
-            Column("runs"),
+            Column("group", drop=2),
+            Column("runs", drop=3),
             Column("result"),
             Column("inside host"),
             Column("across hosts"),
@@ -130,14 +131,14 @@ def _compiled_collectives(run: RunPlan, compiled: dict):
     )
     planned = compared_elements(run, compiled)
     for kind, (runs, elements, _) in compiled["collectives"].items():
-        rows.add_row(kind, count(planned.get(kind, 0)), count(elements), str(runs))
+        rows.add_row(kind, f"{planned.get(kind, 0):,}", f"{elements:,}", str(runs))
     return rows
 
 
 def compared_elements(run: RunPlan, compiled: dict) -> dict[str, int]:
     """The plan's elements per collective kind in the step ``compiled`` is (the optimizer's
     alone for an optimizer step)."""
-    optimizer_only = compiled["step"].startswith("optimizer")
+    optimizer_only = compiled["step"] == OPTIMIZER_STEP
     out: dict[str, int] = {}
     for c in run.collectives:
         if optimizer_only and c.phase == "model":
