@@ -196,7 +196,7 @@ USER_ERRORS = {
     "no_model": (
         "layout --groups --dp 1024",
         "lwjax layout: the model to lay out is required: --preset NAME (one of llama8b, llama1b, "
-        "moe, tied) or --spec FILE.json.",
+        "llama70b, llama405b, small, moe, tied) or --spec FILE.json.",
     ),
     "layers_zero": (
         "layout --preset tied --dp 2 --layers 0",

@@ -42,9 +42,9 @@ PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SIGNATURE_BLOCK = re.compile(r"^### `([\w.]+)`\n+```text\n(.*?)^```", re.S | re.M)
 
 
-CLI_SPAN = re.compile(r"`(lwjax (?:layout|routes)\s[^`]+)`")
+CLI_SPAN = re.compile(r"`(lwjax (?:layout|routes|plan)\s[^`]+)`")
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.S | re.M)
-CLI_LINE = re.compile(r"^(?:\S*/)?lwjax (?:layout|routes)\s")
+CLI_LINE = re.compile(r"^(?:\S*/)?lwjax (?:layout|routes|plan)\s")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(\.\w+)?$|\.\.\.|[\[|{]")  # NAME, FILE.json, [--x]
 
 
@@ -126,7 +126,7 @@ def test_multihost_script_as_one_process_sees_the_8_device_mesh_the_two_processe
 
 
 def test_documented_cli_commands_run(capsys):
-    """Each ``lwjax layout``/``lwjax routes`` command the docs show exits 0 as written."""
+    """Each ``lwjax layout``/``routes``/``plan`` command the docs show exits 0 as written."""
     from lwjax.tools.cli import main
 
     commands = documented_cli_commands()

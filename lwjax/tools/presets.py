@@ -167,6 +167,29 @@ def llama1b(*, layers: int = 16) -> list[ParamSpec]:
     )
 
 
+def llama70b(*, layers: int = 80) -> list[ParamSpec]:
+    """Llama-3-70B shapes: hidden 8192, 64/8 heads of 128, SwiGLU 28672, vocab 128256, untied."""
+    return transformer_specs(
+        layers=layers, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256
+    )
+
+
+def llama405b(*, layers: int = 126) -> list[ParamSpec]:
+    """Llama-3.1-405B shapes: hidden 16384, 128/8 heads of 128, SwiGLU 53248, vocab 128256,
+    untied."""
+    return transformer_specs(
+        layers=layers, hidden=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248, vocab=128256
+    )
+
+
+def small(*, layers: int = 4) -> list[ParamSpec]:
+    """A CPU-sized Llama (the benchmark's ``small`` workload): hidden 256, 8/4 heads of 32,
+    SwiGLU 704, vocab 4096, untied."""
+    return transformer_specs(
+        layers=layers, hidden=256, heads=8, kv_heads=4, head_dim=32, ffn=704, vocab=4096
+    )
+
+
 def moe(*, layers: int = 32) -> list[ParamSpec]:
     """A Mixtral-8x7B-like MoE stack: hidden 4096, 32/8 heads, 8 SwiGLU experts of 14336.
 
@@ -211,6 +234,9 @@ def tied(*, layers: int = 12) -> list[ParamSpec]:
 PRESETS: Mapping[str, Callable[..., list[ParamSpec]]] = {
     "llama8b": llama8b,
     "llama1b": llama1b,
+    "llama70b": llama70b,
+    "llama405b": llama405b,
+    "small": small,
     "moe": moe,
     "tied": tied,
 }

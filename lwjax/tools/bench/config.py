@@ -14,7 +14,13 @@ from lwjax.tools.bench.workloads import WORKLOADS, workload_config
 
 # (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the
 # small one CPU-sized.
-TRAIN_DEFAULTS = {"small": (128, 2), "1b": (2048, 4), "8b": (2048, 2)}
+TRAIN_DEFAULTS = {
+    "small": (128, 2),
+    "1b": (2048, 4),
+    "8b": (2048, 2),
+    "70b": (2048, 1),
+    "405b": (2048, 1),
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,9 @@ from lwjax.megatron.gpt import MATRIX_CONVENTION, GPTConfig, keys_from_tree, tre
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import LayerwiseOptimizer, layerwise_muon
 
-# Megatron-Core GPTs (lwjax.megatron.gpt): 8b is Llama-3-8B's layer with 4 layers; 1b has 16
-# heads of 128. (layers, hidden, heads, query groups, SwiGLU width, vocabulary) each.
+# Megatron-Core GPTs (lwjax.megatron.gpt): 8b, 70b and 405b are the layers of Llama-3-8B,
+# Llama-3-70B and Llama-3.1-405B, 4 of them; 1b has 16 heads of 128. (layers, hidden, heads,
+# query groups, SwiGLU width, vocabulary) each.
 WORKLOADS = {
     name: GPTConfig(
         num_layers=layers,
@@ -31,6 +32,8 @@ WORKLOADS = {
     )
     for name, (layers, hidden, heads, groups, ffn, vocab) in {
         "8b": (4, 4096, 32, 8, 14336, 128256),
+        "70b": (4, 8192, 64, 8, 28672, 128256),
+        "405b": (4, 16384, 128, 8, 53248, 128256),
         "1b": (16, 2048, 16, 8, 8192, 128256),
         "small": (4, 256, 8, 4, 704, 4096),
     }.items()

@@ -10,6 +10,8 @@ line and exits with status 2.
 * :mod:`~lwjax.tools.commands.layout`: buffers, buckets and shard loads of a
   model's layout, or every policy side by side.
 * :mod:`~lwjax.tools.commands.routes`: which leaves go to Muon, as what matrices, and why.
+* :mod:`~lwjax.tools.commands.plan`: memory, bytes inside/across hosts and Newton–Schulz per
+  device for a mesh, or every mesh of a device count ranked.
 * :mod:`~lwjax.tools.commands.bench`: time the optimizer step (or a training step).
 * :mod:`~lwjax.tools.commands.convert`: Megatron <-> lwjax checkpoints, safetensors.
 * :mod:`~lwjax.tools.commands.demo`: train the demo GPT with lwjax and a baseline.
@@ -18,6 +20,6 @@ line and exits with status 2.
 Building the parsers imports no jax; each ``_cmd_<name>`` imports what it needs.
 """
 
-from lwjax.tools.commands import bench, convert, demo, launch, layout, routes
+from lwjax.tools.commands import bench, convert, demo, launch, layout, plan, routes
 
-COMMANDS = (layout, routes, bench, convert, demo, launch)  # in the order of ``lwjax --help``
+COMMANDS = (layout, routes, plan, bench, convert, demo, launch)  # in the order of ``lwjax --help``
