@@ -263,7 +263,7 @@ def from_logical(
                 )
                 cursor += len(positions)
             else:
-                scalars[k] = jax.device_put(jnp.asarray(leaves[cursor]), replicated)
+                scalars[k] = leaves[cursor]
                 cursor += 1
     logical_leaves = [check_tree(plan, tree, "from_logical", local=False) for tree in trees]
     dtype = next(x for x in logical_leaves[0] if x is not None).dtype
@@ -310,6 +310,10 @@ def from_logical(
         components = _sharded(optimizer, write, (in_specs, part_specs), in_specs, donate_argnums=0)(
             components, parts
         )
+    # Scalars replicated by a jit, which takes numpy and local arrays on any process.
+    count, scalars = jax.jit(
+        lambda c, x: (jnp.asarray(c, jnp.int32), x), out_shardings=replicated
+    )(logical.count, scalars)
     elementwise = [None] * len(plan.buffers)
     for i in owners:
         sharded = [k for k, spec in enumerate(specs) if _is_sharded(spec)]
@@ -324,7 +328,7 @@ def from_logical(
             for bucket in range(plan.buffers[i].num_buckets)
         )
     return LayerwiseState(
-        jax.device_put(jnp.asarray(logical.count, jnp.int32), replicated),
+        count,
         components[0],
         components[1],
         tuple(elementwise),
