@@ -311,9 +311,9 @@ def from_logical(
             components, parts
         )
     # Scalars replicated by a jit, which takes numpy and local arrays on any process.
-    count, scalars = jax.jit(
-        lambda c, x: (jnp.asarray(c, jnp.int32), x), out_shardings=replicated
-    )(logical.count, scalars)
+    count, scalars = jax.jit(lambda c, x: (jnp.asarray(c, jnp.int32), x), out_shardings=replicated)(
+        logical.count, scalars
+    )
     elementwise = [None] * len(plan.buffers)
     for i in owners:
         sharded = [k for k, spec in enumerate(specs) if _is_sharded(spec)]

@@ -7,6 +7,7 @@ The per-device peak is measured, not modelled: every program that ``save`` and
 that are live on device 0 when it starts are counted from ``jax.live_arrays``.
 """
 
+import functools
 import gc
 
 import jax
@@ -139,7 +140,9 @@ def test_save_and_restore_hold_a_devices_share_plus_bounded_staging(
     largest_block = max(shards.staging_bytes(r, jnp.float32) for r in opt.plan.routes)
     staging = 2 * max(STAGING, largest_block)
 
-    saved, _ = _peak(monkeypatch, lambda: checkpoint.save(tmp_path / "c", placed, state, opt))
+    saved, _ = _peak(
+        monkeypatch, functools.partial(checkpoint.save, tmp_path / "c", placed, state, opt)
+    )
     assert saved <= before + share + staging, (saved, before, share, staging)
 
     del placed, state
