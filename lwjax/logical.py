@@ -310,10 +310,8 @@ def from_logical(
         components = _sharded(optimizer, write, (in_specs, part_specs), in_specs, donate_argnums=0)(
             components, parts
         )
-    # Scalars replicated by a jit, which takes numpy and local arrays on any process.
-    count, scalars = jax.jit(lambda c, x: (jnp.asarray(c, jnp.int32), x), out_shardings=replicated)(
-        logical.count, scalars
-    )
+    count = jax.device_put(logical.count, replicated).astype(jnp.int32)
+    scalars = jax.device_put(scalars, replicated)
     elementwise = [None] * len(plan.buffers)
     for i in owners:
         sharded = [k for k, spec in enumerate(specs) if _is_sharded(spec)]
