@@ -58,7 +58,7 @@ from lwjax.checkpoint_record import (
     transform_name,
 )
 from lwjax.checkpoint_record import fingerprints as fingerprints
-from lwjax.logical import LogicalState, from_logical, logical_sharding, to_logical
+from lwjax.logical import LogicalState, from_logical, logical_shardings, to_logical
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.routing import LeafRoute, path_name
 from lwjax.state import LayerwiseState
@@ -292,8 +292,9 @@ def _target(optimizer: LayerwiseOptimizer, params_like):
     )
     abstract_logical = jax.eval_shape(lambda s: to_logical(optimizer, s), abstract_state)
     abstract_logical = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=logical_sharding(optimizer, x)),
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         abstract_logical,
+        logical_shardings(optimizer, abstract_logical),
     )
     return {"params": abstract_params, "state": abstract_logical}
 

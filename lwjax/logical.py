@@ -5,11 +5,18 @@ array whose shards hold the masters and moments of whatever each rank owns.
 :func:`to_logical` unpacks it into a :class:`LogicalState` shaped like the
 parameters, and :func:`from_logical` packs one into any optimizer over the same
 parameters and routing, so checkpoints (:mod:`lwjax.checkpoint`) restore at any
-dp size. The two are inverses.
+dp size. The two are inverses, bit for bit.
+
+A logical array is split over every mesh axis (:func:`logical_sharding`), and
+both conversions move each device's own parts only, a chunk of leaves at a time
+(:mod:`lwjax.logical_shards`): a device holds its packed state, its part of the
+logical state and at most :data:`~lwjax.logical_shards.STAGING_BYTES` of staging
+(or one leaf's block, where that is larger) beside them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -17,8 +24,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.buffers import pack, unpack
-from lwjax.optimizer import LayerwiseOptimizer, state_shardings
+from lwjax import logical_shards as shards
+from lwjax.buffers import check_tree
+from lwjax.leaf_route import LeafRoute
+from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.state import LayerwiseState, initial_speculation
 
 
@@ -37,147 +46,71 @@ class LogicalState(NamedTuple):
     elementwise: Any
 
 
-def logical_sharding(optimizer: LayerwiseOptimizer, x) -> NamedSharding:
-    """Where a logical (per-parameter) array lives: split over dp on axis 0 if it divides."""
-    dp = optimizer.mesh.shape[optimizer.axis]
-    spec = P(optimizer.axis) if x.ndim and x.shape[0] % dp == 0 else P()
-    return NamedSharding(optimizer.mesh, spec)
+def logical_sharding(optimizer: LayerwiseOptimizer, route: LeafRoute) -> NamedSharding:
+    """Where a logical (per-parameter) array of ``route``'s leaf lives: over every mesh axis.
+
+    The leaf's own splits first, as the parameter has them (expert axis,
+    ``param_axes``: :attr:`~lwjax.optimizer.LayerwiseOptimizer.param_specs`); then each
+    other mesh axis, largest first, on the axis of the leaf with the most elements
+    per device among those it divides. A mesh axis that divides no axis of the leaf
+    leaves it whole over that axis, so a device holds ``1/N`` of every leaf whose axes
+    divide the mesh's ``N`` devices.
+    """
+    return NamedSharding(optimizer.mesh, shards.logical_spec(optimizer, route))
+
+
+def logical_shardings(optimizer: LayerwiseOptimizer, logical: LogicalState) -> LogicalState:
+    """The :func:`logical_sharding` of every array of a (possibly abstract) :class:`LogicalState`;
+    the step count and the elementwise state's scalars are replicated."""
+    plan = optimizer.plan
+    replicated = NamedSharding(optimizer.mesh, P())
+    routes = jax.tree_util.tree_unflatten(plan.treedef, plan.routes)
+
+    def placed(tree):
+        return jax.tree.map(
+            lambda x, r: None if x is None else logical_sharding(optimizer, r),
+            tree,
+            routes,
+            is_leaf=lambda x: x is None,
+        )
+
+    elementwise = None
+    if logical.elementwise is not None:
+        specs, treedef = _elementwise_specs(optimizer)
+        leaves = jax.tree.flatten(logical.elementwise, is_leaf=lambda x: x is None)[0]
+        positions = _leaves(routes)  # a tree's routes where a parameter is, None elsewhere
+        shardings, cursor = [], 0
+        for spec in specs:
+            if _is_sharded(spec):
+                chunk = zip(leaves[cursor : cursor + len(positions)], positions)
+                shardings.append(
+                    [None if x is None else logical_sharding(optimizer, r) for x, r in chunk]
+                )
+                cursor += len(positions)
+            else:
+                shardings.append([replicated])
+                cursor += 1
+        elementwise = jax.tree.unflatten(
+            jax.tree.structure(logical.elementwise, is_leaf=lambda x: x is None),
+            [s for group in shardings for s in group],
+        )
+    return LogicalState(replicated, placed(logical.masters), placed(logical.momenta), elementwise)
 
 
 def _leaves(tree) -> list:
     return jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)[0]
 
 
-def _merge_blocks(x: jax.Array, dim: int) -> jax.Array:
-    """``[n, *block]`` to the blocks joined on axis ``dim``, block ``j`` at ``j * block[dim]``."""
-    n, *block = x.shape
-    block[dim] *= n
-    return jnp.moveaxis(x, 0, dim).reshape(block)
-
-
-def _split_blocks(x: jax.Array, dim: int, n: int) -> jax.Array:
-    """Inverse of :func:`_merge_blocks`: ``x`` cut into ``n`` blocks on axis ``dim``, stacked."""
-    shape = x.shape
-    return jnp.moveaxis(x.reshape(*shape[:dim], n, -1, *shape[dim + 1 :]), dim, 0)
-
-
-def _unpack_global(optimizer: LayerwiseOptimizer, buffers, dtypes):
-    """:func:`~lwjax.buffers.unpack` of global state arrays into global (logical) leaves.
-
-    With tensor parallelism a bucket's global array is one per tensor-parallel
-    device (``tp``-major): each unpacks into that device's blocks, joined on the
-    leaf's split axes (a leaf whole over a mesh axis is taken from its first device).
-    """
-    plan = optimizer.plan
-    sizes = plan.axes.tp_sizes
-    if not sizes or all(x is None for x in buffers):  # nothing to map over (no Muon momenta)
-        return _unpack_group(optimizer, buffers, dtypes)
-    per_device = [None if x is None else tuple(b.reshape(*sizes, -1) for b in x) for x in buffers]
-    blocks = _over_devices(lambda bufs: _unpack_group(optimizer, bufs, dtypes), len(sizes))(
-        per_device
-    )
-    leaves = [None if y is None else _joined(y, r) for y, r in zip(_leaves(blocks), plan.routes)]
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
-
-
-def _pack_global(optimizer: LayerwiseOptimizer, tree, dtypes):
-    """Inverse of :func:`_unpack_global`: global (logical) leaves into each bucket's state array."""
-    plan = optimizer.plan
-    sizes = plan.axes.tp_sizes
-    if not sizes or all(x is None for x in _leaves(tree)):
-        return _pack_group(optimizer, tree, dtypes)
-    blocks = [None if x is None else _cut(x, r, sizes) for x, r in zip(_leaves(tree), plan.routes)]
-    per_device = _over_devices(lambda t: _pack_group(optimizer, t, dtypes), len(sizes))(
-        jax.tree_util.tree_unflatten(plan.treedef, blocks)
-    )
-    return tuple(None if x is None else tuple(b.reshape(-1) for b in x) for x in per_device)
-
-
-def _over_devices(fn, depth: int):
-    """``fn`` mapped over ``depth`` leading axes (one per tensor-parallel mesh axis)."""
-    for _ in range(depth):
-        fn = jax.vmap(fn)
-    return fn
-
-
-def _joined(blocks: jax.Array, route) -> jax.Array:
-    """``[*tp sizes, *block]`` to the global leaf: the minor mesh axis's blocks joined first."""
-    for a in reversed(range(len(route.tensor_dims))):
-        dim = route.tensor_dims[a]
-        if dim is None:
-            blocks = jnp.take(blocks, 0, axis=a)
-        else:
-            blocks = _over_devices(lambda z, dim=dim: _merge_blocks(z, dim), a)(blocks)
-    return blocks
-
-
-def _cut(leaf: jax.Array, route, sizes) -> jax.Array:
-    """Inverse of :func:`_joined`: a global leaf to each device's block, ``[*tp sizes, *block]``
-    (a leaf whole over a mesh axis repeated along it)."""
-    for a, (dim, size) in enumerate(zip(route.tensor_dims, sizes)):
-        if dim is None:
-            cut = lambda z, size=size: jnp.broadcast_to(z, (size, *z.shape))  # noqa: E731
-        else:
-            cut = lambda z, dim=dim, size=size: _split_blocks(z, dim, size)  # noqa: E731
-        leaf = _over_devices(cut, a)(leaf)
-    return leaf
-
-
-def _unpack_group(optimizer: LayerwiseOptimizer, buffers, dtypes):
-    """:func:`_unpack_global` for one tensor-parallel device's state arrays (its blocks).
-
-    A dense bucket's global array is the bucket itself. An expert bucket's is
-    ``ep`` whole buckets, one per expert group (``ep``-major): each unpacks
-    into its group's local experts, concatenated on the expert axis.
-    """
-    plan = optimizer.plan
-    expert = [b.key.is_expert_parallel for b in plan.buffers]
-    dense = unpack(plan, [None if e else x for e, x in zip(expert, buffers)], dtypes=dtypes)
-    if not any(e and x is not None for e, x in zip(expert, buffers)):
-        return dense
-    ep = optimizer.plan.axes.ep_size
-    groups = [
-        tuple(b.reshape(ep, -1) for b in x) if e and x is not None else None
-        for e, x in zip(expert, buffers)
-    ]
-    local = _leaves(jax.vmap(lambda bufs: unpack(plan, bufs, dtypes=dtypes))(groups))
-    leaves = [
-        x if not r.is_expert or y is None else _merge_blocks(y, r.expert_dim)
-        for x, y, r in zip(_leaves(dense), local, plan.routes)
-    ]
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
-
-
-def _pack_group(optimizer: LayerwiseOptimizer, tree, dtypes):
-    """Inverse of :func:`_unpack_group`."""
-    plan = optimizer.plan
-    expert = [b.key.is_expert_parallel for b in plan.buffers]
-    leaves = _leaves(tree)
-    dense_tree = jax.tree_util.tree_unflatten(
-        plan.treedef, [None if r.is_expert else x for x, r in zip(leaves, plan.routes)]
-    )
-    dense = pack(plan, dense_tree, dtypes=[None if e else d for e, d in zip(expert, dtypes)])
-    if not any(e and d is not None for e, d in zip(expert, dtypes)):
-        return dense
-    ep = optimizer.plan.axes.ep_size
-    local_tree = jax.tree_util.tree_unflatten(
-        plan.treedef,
-        [
-            _split_blocks(x, r.expert_dim, ep) if r.is_expert and x is not None else None
-            for x, r in zip(leaves, plan.routes)
-        ],
-    )
-    local = jax.vmap(
-        lambda t: pack(plan, t, dtypes=[d if e else None for e, d in zip(expert, dtypes)])
-    )(local_tree)
-    return tuple(
-        tuple(b.reshape(-1) for b in y) if e and y is not None else x
-        for e, x, y in zip(expert, dense, local)
-    )
-
-
 def _elementwise_buffers(optimizer: LayerwiseOptimizer) -> list[int]:
     return [i for i, b in enumerate(optimizer.plan.buffers) if not b.key.is_layer_wise]
+
+
+def _elementwise_specs(optimizer: LayerwiseOptimizer) -> tuple[list[P], Any]:
+    """The elementwise optax state's leaf specs (a bucket's; every bucket's are alike), treedef."""
+    owner = _elementwise_buffers(optimizer)[0]
+    return jax.tree.flatten(
+        optimizer.state_specs.elementwise[owner][0], is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def _is_sharded(spec: P) -> bool:
@@ -185,112 +118,222 @@ def _is_sharded(spec: P) -> bool:
     return spec != P()
 
 
-def to_logical(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> LogicalState:
+def _components(optimizer: LayerwiseOptimizer, state: LayerwiseState) -> list:
+    """The state's per-element arrays as components, each per buffer a tuple of bucket
+    arrays or ``None``: masters, momenta, then each per-element leaf of the elementwise state."""
+    owners = _elementwise_buffers(optimizer)
+    out = [state.masters, state.momenta]
+    if owners:
+        specs, _ = _elementwise_specs(optimizer)
+        for k, spec in enumerate(specs):
+            if _is_sharded(spec):
+                out.append(
+                    tuple(
+                        tuple(jax.tree.leaves(s)[k] for s in state.elementwise[i])
+                        if i in owners
+                        else None
+                        for i in range(len(optimizer.plan.buffers))
+                    )
+                )
+    return out
+
+
+def _component_specs(optimizer: LayerwiseOptimizer, components: list) -> list:
+    """Each component's bucket arrays' ``PartitionSpec``s (their buffer's state axes)."""
+    axes = [P(optimizer.plan.axes.state_axes(b.key)) for b in optimizer.plan.buffers]
+    return [
+        tuple(None if x is None else tuple(spec for _ in x) for x, spec in zip(c, axes))
+        for c in components
+    ]
+
+
+def _items(optimizer: LayerwiseOptimizer, components: list, runs) -> list[tuple[int, int]]:
+    """``(component, route)`` of every logical array: each route of a buffer the component has."""
+    return [
+        (c, i)
+        for c, component in enumerate(components)
+        for i, pieces in enumerate(runs)
+        if pieces and component[pieces[0].buffer] is not None
+    ]
+
+
+def _chunks(optimizer: LayerwiseOptimizer, items, dtypes, staging_bytes: int | None) -> list:
+    """``items`` in chunks of at most ``staging_bytes`` (default
+    :data:`~lwjax.logical_shards.STAGING_BYTES`) of blocks per device."""
+    budget = shards.STAGING_BYTES if staging_bytes is None else staging_bytes
+    costs = [shards.staging_bytes(optimizer.plan.routes[i], dtypes[c]) for c, i in items]
+    return [[items[k] for k in group] for group in shards.chunks(costs, budget)]
+
+
+def to_logical(
+    optimizer: LayerwiseOptimizer,
+    state: LayerwiseState,
+    *,
+    staging_bytes: int | None = None,
+) -> LogicalState:
     """Unpack a sharded :class:`LayerwiseState` into its per-parameter :class:`LogicalState`.
 
-    Inverse of :func:`from_logical`; the result restores at any dp size.
+    Inverse of :func:`from_logical`; the result restores at any dp size. Each
+    array comes back in its :func:`logical_sharding`, converted a chunk of
+    leaves at a time (at most ``staging_bytes``, default
+    :data:`~lwjax.logical_shards.STAGING_BYTES`, of blocks per device and program:
+    :mod:`lwjax.logical_shards`).
     """
     plan = optimizer.plan
+    runs = shards.pieces(plan)
+    components = _components(optimizer, state)
+    in_specs = _component_specs(optimizer, components)
+    dtype = jax.tree.leaves(state.masters)[0].dtype
+    dtypes = [dtype, dtype] + [jax.tree.leaves(c)[0].dtype for c in components[2:]]
+    parts = {}
+    items = _items(optimizer, components, runs)
+    for chunk in _chunks(optimizer, items, dtypes, staging_bytes):
+        out_specs = [shards.logical_spec(optimizer, plan.routes[i]) for _, i in chunk]
+
+        def read(arrays, chunk=chunk, out_specs=out_specs):
+            return [
+                shards.read_part(optimizer, runs[i], i, arrays[c], dtypes[c], spec)
+                for (c, i), spec in zip(chunk, out_specs)
+            ]
+
+        done = _sharded(optimizer, read, (in_specs,), out_specs)(components)
+        parts.update(zip(chunk, done))
+    trees = [
+        jax.tree_util.tree_unflatten(plan.treedef, [parts.get((c, i)) for i in range(len(runs))])
+        for c in range(len(components))
+    ]
+    elementwise = None
     owners = _elementwise_buffers(optimizer)
+    if owners:
+        specs, treedef = _elementwise_specs(optimizer)
+        scalars = jax.tree.leaves(state.elementwise[owners[0]][0])
+        sharded = iter(trees[2:])
+        elementwise = jax.tree.unflatten(
+            treedef,
+            [next(sharded) if _is_sharded(spec) else scalars[k] for k, spec in enumerate(specs)],
+        )
+    return LogicalState(state.count, trees[0], trees[1], elementwise)
 
-    def convert(state):
-        dtype = jax.tree.leaves(state.masters)[0].dtype
-        masters = _unpack_global(optimizer, state.masters, [dtype] * len(plan.routes))
-        momenta = _unpack_global(optimizer, state.momenta, [dtype] * len(plan.routes))
-        elementwise = None
-        if owners:
-            # Per leaf position of the optax state: its shards of every elementwise bucket.
-            specs, treedef = jax.tree.flatten(
-                optimizer.state_specs.elementwise[owners[0]][0], is_leaf=lambda x: isinstance(x, P)
-            )
-            per_bucket = {i: [jax.tree.leaves(s) for s in state.elementwise[i]] for i in owners}
-            leaves = []
-            for k, spec in enumerate(specs):
-                if _is_sharded(spec):
-                    flats = [
-                        tuple(b[k] for b in per_bucket[i]) if i in owners else None
-                        for i in range(len(plan.buffers))
-                    ]
-                    leaves.append(
-                        _unpack_global(
-                            optimizer, flats, [per_bucket[owners[0]][0][k].dtype] * len(plan.routes)
-                        )
-                    )
-                else:
-                    leaves.append(per_bucket[owners[0]][0][k])
-            elementwise = jax.tree.unflatten(treedef, leaves)
-        return LogicalState(state.count, masters, momenta, elementwise)
 
-    shapes = jax.eval_shape(convert, state)
+def _sharded(optimizer: LayerwiseOptimizer, fn, in_specs, out_specs, **options):
+    """``fn`` in ``shard_map`` over the whole mesh, jitted."""
     return jax.jit(
-        convert, out_shardings=jax.tree.map(lambda x: logical_sharding(optimizer, x), shapes)
-    )(state)
+        jax.shard_map(
+            fn, mesh=optimizer.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        ),
+        **options,
+    )
 
 
-def from_logical(optimizer: LayerwiseOptimizer, logical: LogicalState) -> LayerwiseState:
+def from_logical(
+    optimizer: LayerwiseOptimizer,
+    logical: LogicalState,
+    *,
+    staging_bytes: int | None = None,
+) -> LayerwiseState:
     """Pack a :class:`LogicalState` into this optimizer's sharded :class:`LayerwiseState`.
 
     Inverse of :func:`to_logical`. The logical state may come from an
     optimizer with another dp size, layout policy or bucket size. A pipelined
     optimizer's speculation flag, a scheduling guess that never changes a
-    result, is not part of it and starts again at ``False``.
+    result, is not part of it and starts again at ``False``. Each array is
+    placed in its :func:`logical_sharding` first; the packed buckets are written
+    in place a chunk of leaves at a time (as :func:`to_logical`).
     """
     plan = optimizer.plan
-    lw = [b.key.is_layer_wise for b in plan.buffers]
+    mesh = optimizer.mesh
+    replicated = NamedSharding(mesh, P())
+    runs = shards.pieces(plan)
     owners = _elementwise_buffers(optimizer)
-
-    def convert(logical):
-        dtype = jax.tree.leaves(logical.masters)[0].dtype
-        masters = _pack_global(optimizer, logical.masters, [dtype] * len(plan.buffers))
-        momenta = _pack_global(
-            optimizer, logical.momenta, [dtype if is_lw else None for is_lw in lw]
-        )
-        elementwise = [None] * len(plan.buffers)
-        if owners:
-            specs, treedef = jax.tree.flatten(
-                optimizer.state_specs.elementwise[owners[0]][0], is_leaf=lambda x: isinstance(x, P)
-            )
-            logical_leaves = jax.tree.flatten(logical.elementwise, is_leaf=lambda x: x is None)[0]
-            # A parameter-shaped tree flattens to its routed leaves and the Nones of leaves that
-            # are no parameters (an equinox tree); only the routed ones are packed.
-            routed = jax.tree.flatten(
-                jax.tree.unflatten(plan.treedef, [True] * len(plan.routes)),
-                is_leaf=lambda x: x is None,
-            )[0]
-            per_leaf, cursor = [], 0  # per optax-state leaf: {buffer: bucket arrays} or a scalar
-            for spec in specs:
-                if _is_sharded(spec):
-                    chunk = logical_leaves[cursor : cursor + len(routed)]
-                    tree = jax.tree.unflatten(
-                        plan.treedef, [x for x, keep in zip(chunk, routed) if keep]
+    specs, treedef = _elementwise_specs(optimizer) if owners else ([], None)
+    # The logical arrays as components (route order), like the packed state's.
+    trees = [logical.masters, logical.momenta]
+    scalars = {}
+    if owners:
+        leaves = jax.tree.flatten(logical.elementwise, is_leaf=lambda x: x is None)[0]
+        positions = _leaves(jax.tree_util.tree_unflatten(plan.treedef, [True] * len(runs)))
+        cursor = 0
+        for k, spec in enumerate(specs):
+            if _is_sharded(spec):
+                chunk = leaves[cursor : cursor + len(positions)]
+                trees.append(
+                    jax.tree_util.tree_unflatten(
+                        plan.treedef, [x for x, keep in zip(chunk, positions) if keep]
                     )
-                    cursor += len(routed)
-                    leaf_dtype = next(x.dtype for x in jax.tree.leaves(tree))
-                    per_leaf.append(
-                        _pack_global(
-                            optimizer,
-                            tree,
-                            [leaf_dtype if i in owners else None for i in range(len(lw))],
-                        )
-                    )
-                else:
-                    per_leaf.append(logical_leaves[cursor])
-                    cursor += 1
-            for i in owners:
-                elementwise[i] = tuple(
-                    jax.tree.unflatten(
-                        treedef,
-                        [x[i][k] if _is_sharded(spec) else x for x, spec in zip(per_leaf, specs)],
-                    )
-                    for k in range(plan.buffers[i].num_buckets)
                 )
-        return LayerwiseState(
-            jnp.asarray(logical.count, jnp.int32),
-            masters,
-            momenta,
-            tuple(elementwise),
-            initial_speculation(plan),
+                cursor += len(positions)
+            else:
+                scalars[k] = leaves[cursor]
+                cursor += 1
+    logical_leaves = [check_tree(plan, tree, "from_logical", local=False) for tree in trees]
+    dtype = next(x for x in logical_leaves[0] if x is not None).dtype
+    dtypes = [dtype, dtype] + [
+        next(x for x in leaves if x is not None).dtype for leaves in logical_leaves[2:]
+    ]
+    lw = [b.key.is_layer_wise for b in plan.buffers]
+    has = [[True] * len(lw), lw] + [[i in owners for i in range(len(lw))]] * (len(trees) - 2)
+    zeros = [
+        tuple(
+            tuple(
+                jax.ShapeDtypeStruct(
+                    (size * math.prod(mesh.shape[a] for a in _axes(plan, b)),), dtypes[c]
+                )
+                for size in b.shard_sizes
+            )
+            if keep
+            else None
+            for b, keep in zip(plan.buffers, present)
         )
+        for c, present in enumerate(has)
+    ]
+    in_specs = _component_specs(optimizer, zeros)
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    components = jax.jit(
+        lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros), out_shardings=shardings
+    )()
+    items = _items(optimizer, components, runs)
+    for chunk in _chunks(optimizer, items, dtypes, staging_bytes):
+        part_specs = [shards.logical_spec(optimizer, plan.routes[i]) for _, i in chunk]
+        parts = [
+            jax.device_put(logical_leaves[c][i], NamedSharding(mesh, spec))
+            for (c, i), spec in zip(chunk, part_specs)
+        ]
 
-    logical = jax.tree.map(lambda x: jax.device_put(x, logical_sharding(optimizer, x)), logical)
-    return jax.jit(convert, out_shardings=state_shardings(optimizer))(logical)
+        def write(arrays, parts, chunk=chunk, part_specs=part_specs):
+            arrays = [[None if b is None else list(b) for b in c] for c in arrays]
+            for (c, i), part, spec in zip(chunk, parts, part_specs):
+                shards.write_part(optimizer, runs[i], i, part, arrays[c], spec)
+            return [tuple(None if b is None else tuple(b) for b in c) for c in arrays]
+
+        components = _sharded(optimizer, write, (in_specs, part_specs), in_specs, donate_argnums=0)(
+            components, parts
+        )
+    count = jax.device_put(logical.count, replicated).astype(jnp.int32)
+    scalars = jax.device_put(scalars, replicated)
+    elementwise = [None] * len(plan.buffers)
+    for i in owners:
+        sharded = [k for k, spec in enumerate(specs) if _is_sharded(spec)]
+        elementwise[i] = tuple(
+            jax.tree.unflatten(
+                treedef,
+                [
+                    components[2 + sharded.index(k)][i][bucket] if k in sharded else scalars[k]
+                    for k in range(len(specs))
+                ],
+            )
+            for bucket in range(plan.buffers[i].num_buckets)
+        )
+    return LayerwiseState(
+        count,
+        components[0],
+        components[1],
+        tuple(elementwise),
+        initial_speculation(plan),
+    )
+
+
+def _axes(plan, buffer) -> tuple[str, ...]:
+    axes = plan.axes.state_axes(buffer.key)
+    return axes if isinstance(axes, tuple) else (axes,)

@@ -195,6 +195,21 @@ def test_checkpoint_from_two_processes_restores_in_one(runs):
         assert all(x.sharding.mesh == mesh for x in jax.tree.leaves((params, state)))
 
 
+def test_checkpoint_from_two_processes_restores_in_four(runs, tmp_path):
+    """The 2 x 4 checkpoint (logical arrays split over all 8 devices, written by both
+    processes) restored by 4 processes x 2 devices: bit for bit."""
+    result, out, report = _launch(
+        "--steps", 0, "--out", tmp_path, "--restore", runs["dir"] / "ckpt", nproc=4, devices=2
+    )
+    assert result.returncode == 0, out + report
+    assert "[p3] process 3/4: 2 local, 8 global devices" in out
+    restored = dict(np.load(tmp_path / "restored.npz"))
+    two = {k: v for k, v in runs["two"].items() if k != "losses"}
+    assert set(restored) == set(two)
+    for name, value in two.items():
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
 def test_checkpoint_from_one_process_restores_in_two(runs):
     restored = dict(np.load(runs["dir"] / "restored.npz"))
     one = {k: v for k, v in runs["one"].items() if k != "losses"}
