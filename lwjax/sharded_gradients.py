@@ -109,6 +109,12 @@ def sharded_gradients(
         reduce_dtype=jnp.float32 if plan.config.grad_reduce_in_fp32 else None,
     )
     fsdp_size = math.prod(mesh.shape[a] for a in fsdp_axes)
+    split = [leaf.path for leaf in gather.leaves if any(leaf.split)]
+    hint = (
+        f"loss_fn gets its device's blocks of the leaves split over fsdp_axes={fsdp_axes} "
+        f"({', '.join(split)}); gather each where the model uses it with lwjax.gather_params "
+        "(each scanned layer's inside the scan's body, the rest once)."
+    )
     tree = lambda leaves: jax.tree_util.tree_unflatten(plan.treedef, leaves)  # noqa: E731
     grad_specs = tree([P(data, *spec) for spec in specs])
 
@@ -122,7 +128,12 @@ def sharded_gradients(
     def local(params, model_state, batch, key, count):
         key = adapter.device_key(key, count, axes)
         with gather.active():
-            loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
+            try:
+                loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
+            except (TypeError, ValueError) as err:
+                if split:
+                    err.add_note(f"lwjax: {hint}")
+                raise
         if fsdp_axes:
             grads = jax.tree.map(mean, grads, tree(specs), is_leaf=lambda s: isinstance(s, P))
         means, model_state = adapter.device_means(loss, aux, model_state, axes)
