@@ -213,6 +213,18 @@ def make_train_step(
     and exchanges tokens over ``ep`` itself, e.g. ``all_gather`` of the tokens,
     the local experts, ``psum_scatter`` of their outputs.
 
+    With ``param_axes`` (parameters split over FSDP and/or tensor-parallel
+    axes), the loss runs in ``shard_map`` manual over the data axes and
+    ``options.fsdp_axes``, which split the batch: it gets its blocks of the
+    leaves split over an FSDP axis and gathers them with
+    :func:`lwjax.gather_params` (each scanned layer's in the scan's body, whose
+    transpose reduce-scatters the layer's gradient in the optimizer's
+    reduction dtype), and sees leaves split over the other (tensor-parallel)
+    axes as global arrays that XLA partitions. The gradients are averaged over
+    the FSDP devices (:mod:`lwjax.sharded_gradients`) and handed to the
+    optimizer, which runs Newton–Schulz on the whole matrices it owns
+    (``muon.tp_mode``) and gathers only its blocks over the data axes.
+
     Args:
       loss_fn: The per-device mean loss, as above.
       optimizer: A :class:`~lwjax.optimizer.LayerwiseOptimizer`.
@@ -240,12 +252,12 @@ def make_train_step(
       separate norm group), and ``aux`` with ``has_aux``.
 
     Raises:
-      ValueError: ``accumulate`` is not a positive integer; an optimizer with
-        ``param_axes`` (``loss_fn`` runs per device here, and a
-        tensor-parallel model's collectives belong to XLA: use
-        :func:`value_and_grad` and ``optimizer.update`` under ``jax.jit``);
-        (at call time) a batch leaf whose leading axis is empty or does not
-        divide by the number of data-parallel devices times ``accumulate``;
+      ValueError: ``accumulate`` is not a positive integer; ``fsdp_axes`` not
+        among the optimizer's ``param_axes``, or splitting a leaf on its
+        stacked axis; ``param_axes`` with ``batch_stats="global"``, an expert
+        axis or ``overlap_param_gather`` (not built); (at call time) a batch
+        leaf whose leading axis is empty or does not divide by the number of
+        batch devices times ``accumulate``;
         ``batch_stats`` is not one of the two, or is ``"global"`` with an
         expert axis (``loss_fn`` exchanges tokens per device there).
 
