@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lwjax.muon import MuonConfig as MuonConfig
     from lwjax.optimizer import LayerwiseOptimizer as LayerwiseOptimizer
     from lwjax.optimizer import layerwise_muon as layerwise_muon
+    from lwjax.parallel.gather import gather_params as gather_params
     from lwjax.state import LayerwiseState as LayerwiseState
     from lwjax.train import jit_shard_map as jit_shard_map
     from lwjax.train import make_train_step as make_train_step
@@ -53,6 +54,7 @@ _LAZY = {
     "LayerwiseOptimizer": "lwjax.optimizer",
     "OptimizerConfig": "lwjax.config",
     "layerwise_muon": "lwjax.optimizer",
+    "gather_params": "lwjax.parallel.gather",
     "LayerwiseState": "lwjax.state",
     "jit_shard_map": "lwjax.train",
     "make_train_step": "lwjax.train",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -13,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from lwjax.loss_adapter import BatchStats, LossAdapter
 from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.parallel.axes import as_axis_tuple
+from lwjax.parallel.gather import WHOLE
+from lwjax.sharded_gradients import batch_axes, check_fsdp_axes, sharded_gradients
 from lwjax.speculation import with_host_speculation
 from lwjax.state import LayerwiseState
 from lwjax.train_options import TrainStepOptions
@@ -54,6 +57,7 @@ def value_and_grad(
     mutable: bool = False,
     rng: bool = False,
     accumulate: int = 1,
+    fsdp_axes: str | tuple[str, ...] = (),
 ) -> Callable:
     """``(params, [model_state,] batch[, key]) -> (value, grads)``, each device's own gradient,
     for ``optimizer.update``.
@@ -76,6 +80,13 @@ def value_and_grad(
     state as it runs: pass the rest of the model as ``model_state``
     (``mutable=True``) and put the returned state back (``nnx.update``).
 
+    With ``param_axes``, the loss runs as :func:`make_train_step`'s does
+    (:mod:`lwjax.sharded_gradients`): the ``fsdp_axes`` split the batch too and
+    the loss sees its blocks of the leaves they split, which it gathers with
+    :func:`lwjax.gather_params`; the other parameter axes are XLA's. The
+    gradients come out split as the parameters, averaged over the FSDP
+    devices, still stacked over the data axes.
+
     Args:
       loss_fn: ``loss_fn(params, [model_state,] batch[, key])``, the mean loss
         over ``batch``, as above.
@@ -86,15 +97,19 @@ def value_and_grad(
         with the device's index (dropout masks differ across devices; pass a
         new key each step).
       accumulate: Micro-batches per device, a positive integer.
+      fsdp_axes: The optimizer's ``param_axes`` that also split the batch
+        (:class:`TrainStepOptions` ``fsdp_axes``).
 
     Returns:
       A function of ``(params, [model_state,] batch[, key])``, to call under
-      ``jax.jit``; the batch's leading axis is split over the data axes.
+      ``jax.jit``; the batch's leading axis is split over the data axes (and
+      ``fsdp_axes``).
 
     Raises:
-      ValueError: ``accumulate`` is not a positive integer; (at call time) a
-        batch leaf whose leading axis is empty or does not divide by the
-        number of data-parallel devices times ``accumulate``.
+      ValueError: ``accumulate`` is not a positive integer; ``fsdp_axes`` not
+        among the optimizer's ``param_axes``, or splitting a leaf on a
+        stacked axis; (at call time) a batch leaf whose leading axis is empty
+        or does not divide by the number of batch devices times ``accumulate``.
     """
     adapter = LossAdapter(
         loss_fn,
@@ -104,18 +119,11 @@ def value_and_grad(
         accumulate=accumulate,
         caller="lwjax.value_and_grad",
     )
-    axes = optimizer.data_axes
-    # With tensor parallelism only the data axes are manual: loss_fn sees whole (global)
-    # parameters, and XLA partitions it over the tensor-parallel axis from their shardings.
-    manual = {} if optimizer.param_axes is None else {"axis_names": set(as_axis_tuple(axes))}
+    fsdp_axes = as_axis_tuple(fsdp_axes)
+    check_fsdp_axes(optimizer, fsdp_axes, "lwjax.value_and_grad")
+    gradients = _per_device_gradients(adapter, optimizer, fsdp_axes)
     names = ("params", *adapter.argument_names)
     signature = f"value_and_grad's function takes ({', '.join(names)})"
-
-    def local(params, model_state, batch, key):
-        key = adapter.device_key(key, None, axes)
-        loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
-        means, model_state = adapter.device_means(loss, aux, model_state, axes)
-        return adapter.value(means, model_state), jax.tree.map(lambda g: g[None], grads)
 
     def per_device(*args):
         if len(args) != len(names):
@@ -124,25 +132,46 @@ def value_and_grad(
             )
         params, *rest = args
         model_state, batch, key = adapter.split_arguments(rest)
-        adapter.check_batch(batch, optimizer.num_data, _data_text(optimizer))
-        return jax.shard_map(
-            local,
-            mesh=optimizer.mesh,
-            in_specs=(P(), P(), P(axes), P()),
-            out_specs=(P(), P(axes)),
-            check_vma=False,
-            **manual,
-        )(params, model_state, batch, key)
+        adapter.check_batch(batch, *_batch_devices(optimizer, fsdp_axes))
+        means, model_state, grads = gradients(params, model_state, batch, key, None)
+        return adapter.value(means, model_state), grads
 
     return per_device
 
 
-def _data_text(optimizer: LayerwiseOptimizer) -> str:
-    """The data-parallel devices' count, for errors: ``dp=8``, or ``dp*ep=8 (dp=4, ep=2)``."""
-    dp, num_data = optimizer.mesh.shape[optimizer.axis], optimizer.num_data
-    if optimizer.expert_axis is None:
-        return f"dp={dp}"
-    return f"dp*ep={num_data} (dp={dp}, ep={num_data // dp})"
+def _per_device_gradients(adapter: LossAdapter, optimizer, fsdp_axes) -> Callable:
+    """``(params, model_state, batch, key, count) -> (means, model_state, grads)``, each
+    data-parallel device's gradients stacked on a leading axis over the data axes; with
+    ``param_axes``, :func:`lwjax.sharded_gradients.sharded_gradients`."""
+    if optimizer.param_axes is not None:
+        return sharded_gradients(adapter, optimizer, fsdp_axes)[0]
+    axes = optimizer.data_axes
+
+    def local(params, model_state, batch, key, count):
+        key = adapter.device_key(key, count, axes)
+        with WHOLE.active():
+            loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
+        means, model_state = adapter.device_means(loss, aux, model_state, axes)
+        return means, model_state, jax.tree.map(lambda g: g[None], grads)
+
+    return jax.shard_map(
+        local,
+        mesh=optimizer.mesh,
+        in_specs=(P(), P(), P(axes), P(), P()),
+        out_specs=(P(), P(), P(axes)),
+        check_vma=False,
+    )
+
+
+def _batch_devices(optimizer: LayerwiseOptimizer, fsdp_axes: tuple[str, ...] = ()):
+    """``(count, text)``: the devices the batch is split over, and their count for errors:
+    ``dp=8``, ``dp*ep=8 (dp=4, ep=2)``, ``dp*fsdp=8 (dp=2, fsdp=4)``."""
+    shape, names = optimizer.mesh.shape, batch_axes(optimizer, fsdp_axes)
+    count = math.prod(shape[a] for a in names)
+    if len(names) == 1:
+        return count, f"{names[0]}={count}"
+    each = ", ".join(f"{a}={shape[a]}" for a in names)
+    return count, f"{'*'.join(names)}={count} ({each})"
 
 
 def make_train_step(
@@ -184,6 +213,18 @@ def make_train_step(
     and exchanges tokens over ``ep`` itself, e.g. ``all_gather`` of the tokens,
     the local experts, ``psum_scatter`` of their outputs.
 
+    With ``param_axes`` (parameters split over FSDP and/or tensor-parallel
+    axes), the loss runs in ``shard_map`` manual over the data axes and
+    ``options.fsdp_axes``, which split the batch: it gets its blocks of the
+    leaves split over an FSDP axis and gathers them with
+    :func:`lwjax.gather_params` (each scanned layer's in the scan's body, whose
+    transpose reduce-scatters the layer's gradient in the optimizer's
+    reduction dtype), and sees leaves split over the other (tensor-parallel)
+    axes as global arrays that XLA partitions. The gradients are averaged over
+    the FSDP devices (:mod:`lwjax.sharded_gradients`) and handed to the
+    optimizer, which runs Newton–Schulz on the whole matrices it owns
+    (``muon.tp_mode``) and gathers only its blocks over the data axes.
+
     Args:
       loss_fn: The per-device mean loss, as above.
       optimizer: A :class:`~lwjax.optimizer.LayerwiseOptimizer`.
@@ -211,12 +252,12 @@ def make_train_step(
       separate norm group), and ``aux`` with ``has_aux``.
 
     Raises:
-      ValueError: ``accumulate`` is not a positive integer; an optimizer with
-        ``param_axes`` (``loss_fn`` runs per device here, and a
-        tensor-parallel model's collectives belong to XLA: use
-        :func:`value_and_grad` and ``optimizer.update`` under ``jax.jit``);
-        (at call time) a batch leaf whose leading axis is empty or does not
-        divide by the number of data-parallel devices times ``accumulate``;
+      ValueError: ``accumulate`` is not a positive integer; ``fsdp_axes`` not
+        among the optimizer's ``param_axes``, or splitting a leaf on its
+        stacked axis; ``param_axes`` with ``batch_stats="global"``, an expert
+        axis or ``overlap_param_gather`` (not built); (at call time) a batch
+        leaf whose leading axis is empty or does not divide by the number of
+        batch devices times ``accumulate``;
         ``batch_stats`` is not one of the two, or is ``"global"`` with an
         expert axis (``loss_fn`` exchanges tokens per device there).
 
@@ -244,7 +285,7 @@ def make_train_step(
         accumulate=accumulate,
         batch_stats=batch_stats,
     )
-    _check_steppable(adapter, optimizer)
+    _check_steppable(adapter, optimizer, options)
     # With the gather overlapped the parameters live in the state's masters: None between steps.
     param_specs = optimizer.param_specs
     if param_specs is None or options.overlap_param_gather:
@@ -254,21 +295,32 @@ def make_train_step(
     return _host_side(step, adapter, optimizer, options, param_specs)
 
 
-def _check_steppable(adapter: LossAdapter, optimizer: LayerwiseOptimizer) -> None:
-    """Refuse what ``make_train_step`` cannot step: split parameters, and global batch
-    statistics beside an expert axis."""
+def _check_steppable(
+    adapter: LossAdapter, optimizer: LayerwiseOptimizer, options: TrainStepOptions
+) -> None:
+    """Refuse what ``make_train_step`` cannot step: global batch statistics beside an expert
+    axis or split parameters, split parameters beside an expert axis or with the gather
+    overlapped, and FSDP axes that are not the optimizer's (:func:`check_fsdp_axes`)."""
     if not adapter.per_device and optimizer.expert_axis is not None:
         raise ValueError(
             f"make_train_step: batch_stats='global' with expert_axis={optimizer.expert_axis!r}; "
             "an expert-parallel loss_fn exchanges tokens per device. Use batch_stats='per_device'."
         )
-    if optimizer.param_axes is not None:
-        raise ValueError(
-            f"make_train_step: the optimizer has param_axes={optimizer.param_axes!r}; a "
-            "tensor-parallel loss is partitioned by XLA, not per device. Step with "
-            "lwjax.value_and_grad(loss_fn, optimizer) and optimizer.update under jax.jit "
-            "(docs/scaling.md)."
-        )
+    check_fsdp_axes(optimizer, options.fsdp_axes, "make_train_step")
+    if optimizer.param_axes is None:
+        return
+    refused = {
+        "batch_stats='global'": not adapter.per_device,
+        f"expert_axis={optimizer.expert_axis!r}": optimizer.expert_axis is not None,
+        "overlap_param_gather=True": options.overlap_param_gather,
+    }
+    for what, given in refused.items():
+        if given:
+            raise ValueError(
+                f"make_train_step: {what} with param_axes={optimizer.param_axes!r} is not "
+                "built; step a model with split parameters per device, without it, or with "
+                "lwjax.value_and_grad and optimizer.update under jax.jit (docs/scaling.md)."
+            )
 
 
 def _resolved_options(options: TrainStepOptions | None, overlap_param_gather) -> TrainStepOptions:
@@ -313,10 +365,24 @@ def _compiled_steps(adapter: LossAdapter, optimizer, options, param_specs, *, do
         key = adapter.device_key(key, state.count, axes)
         if overlap:  # each bucket gathered from the masters, under the forward pass
             params = optimizer.local_params(state)
-        loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
+        with WHOLE.active():  # lwjax.gather_params passes whole parameters through
+            loss, grads, model_state, aux = adapter.gradients(params, model_state, batch, key)
         params, state, metrics, *flag = optimizer_step(grads, state, params, speculate)
         means, model_state = adapter.device_means(loss, aux, model_state, axes)
         return params, state, model_state, {**means, **metrics}, *flag
+
+    def optimizer_in_shard_map(grads, state, params, grad_specs, speculate, *, unstack=False):
+        """:func:`optimizer_step` over global arrays; ``unstack``: the gradients carry a
+        leading axis over the data axes (each device's own)."""
+        flag = () if speculate is None else (P(),)
+        take = (lambda g: jax.tree.map(lambda x: x[0], g)) if unstack else (lambda g: g)
+        return jax.shard_map(
+            lambda g, s, p: optimizer_step(take(g), s, p, speculate),
+            mesh=mesh,
+            in_specs=(grad_specs, state_specs, param_specs),
+            out_specs=(param_specs, state_specs, P(), *flag),
+            check_vma=False,
+        )(grads, state, params)
 
     def global_step(params, state, model_state, batch, key, speculate):
         key = adapter.device_key(key, state.count, axes)
@@ -327,25 +393,30 @@ def _compiled_steps(adapter: LossAdapter, optimizer, options, param_specs, *, do
             params, model_state, batch, key, devices=optimizer.num_data
         )
         means, model_state = adapter.device_means(loss, aux, model_state, axes)
-        params, state, metrics, *flag = jax.shard_map(
-            lambda *args: optimizer_step(*args, speculate),
-            mesh=mesh,
-            in_specs=(P(), state_specs, param_specs),
-            out_specs=(param_specs, state_specs, P(), *((P(),) if speculate is not None else ())),
-            check_vma=False,
-        )(grads, state, params)
+        params, state, metrics, *flag = optimizer_in_shard_map(grads, state, params, P(), speculate)
         return params, state, model_state, {**means, **metrics}, *flag
+
+    def sharded_step(params, state, model_state, batch, key, speculate):
+        means, model_state, grads = gradients(params, model_state, batch, key, state.count)
+        params, state, metrics, *flag = optimizer_in_shard_map(
+            grads, state, params, grad_specs, speculate, unstack=True
+        )
+        return params, state, model_state, {**means, **metrics}, *flag
+
+    if optimizer.param_axes is not None:  # the loss per batch device, split leaves as blocks
+        gradients, grad_specs = sharded_gradients(adapter, optimizer, options.fsdp_axes)
 
     def compiled(speculate):
         flag = () if speculate is None else (P(),)
         in_specs = (param_specs, state_specs, P(), P(axes), P())
         out_specs = (param_specs, state_specs, P(), P(), *flag)
         donate_argnums = (0, 1, 2) if donate else ()
-        if adapter.per_device:
+        if adapter.per_device and optimizer.param_axes is None:
             step = lambda *args: local_step(*args, speculate)  # noqa: E731
             return jit_shard_map(step, mesh, in_specs, out_specs, donate_argnums=donate_argnums)
+        step = sharded_step if adapter.per_device else global_step
         return jax.jit(
-            lambda *args: global_step(*args, speculate),
+            lambda *args: step(*args, speculate),
             out_shardings=named_shardings(mesh, out_specs),
             donate_argnums=donate_argnums,
         )
@@ -364,7 +435,7 @@ def _host_side(step, adapter: LossAdapter, optimizer, options, param_specs) -> C
     signature += (
         f" with mutable={adapter.mutable}, rng={adapter.rng}, overlap_param_gather={overlap}"
     )
-    num_data, data_text = optimizer.num_data, _data_text(optimizer)
+    num_data, data_text = _batch_devices(optimizer, options.fsdp_axes)
     param_shardings = named_shardings(mesh, param_specs)
     replicated = NamedSharding(mesh, P())
 

@@ -30,12 +30,25 @@ class TrainStepOptions:
         parameters are the masters cast to the parameter dtype either way);
         only the first step differs, where the masters cannot hold the
         initial parameters exactly (``master_dtype`` narrower than them).
+      fsdp_axes: The optimizer's ``param_axes`` that also split the batch
+        (fully sharded data parallelism), a name or a tuple; ``()``: none,
+        every parameter axis is tensor-parallel. The loss then runs per
+        device over them and sees its blocks of the leaves they split, which
+        it gathers with :func:`lwjax.gather_params` where it uses them (one
+        scanned layer at a time); the other parameter axes stay XLA's, which
+        partitions the model over them (:mod:`lwjax.sharded_gradients`). An
+        axis left out here trains the same model with XLA's communication
+        over it instead (whole leaves gathered, full-size gradients reduced);
+        only batch statistics differ (each device's are over its slice of
+        the batch, split over these axes too).
 
     Raises:
-      TypeError: ``overlap_param_gather`` is not a bool.
+      TypeError: ``overlap_param_gather`` is not a bool; ``fsdp_axes`` is not
+        a name or a tuple of names.
     """
 
     overlap_param_gather: bool = False
+    fsdp_axes: str | tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.overlap_param_gather, bool):
@@ -43,3 +56,10 @@ class TrainStepOptions:
                 "TrainStepOptions.overlap_param_gather must be a bool; "
                 f"got {self.overlap_param_gather!r}."
             )
+        axes = (self.fsdp_axes,) if isinstance(self.fsdp_axes, str) else self.fsdp_axes
+        if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+            raise TypeError(
+                "TrainStepOptions.fsdp_axes must be a mesh axis name or a tuple of them; "
+                f"got {self.fsdp_axes!r}."
+            )
+        object.__setattr__(self, "fsdp_axes", axes)

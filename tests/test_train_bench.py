@@ -2,10 +2,8 @@
 against ground truth, the CLI."""
 
 import dataclasses
-import functools
 import json
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import lwjax
 from lwjax import RoutingRules
 from lwjax.logical import to_logical
 from lwjax.megatron.gpt import tree_from_keys
@@ -282,8 +281,8 @@ def test_fsdp_muon_step_at_4_devices_is_the_replicated_step_at_dp4(lwjax_step_at
     mesh, specs, split, split_batch = _fsdp_inputs(params, batch)
     fsdp_opt = tb.lwjax_optimizer(split, mesh, FSDP)
     assert sum(r.is_muon for r in fsdp_opt.plan.routes) == 4  # qkv, proj, fc1, fc2
-    gather = functools.partial(tb.fsdp_gather, reduce_in_fp32=True)  # the bench's default
-    step = tb.lwjax_step(FSDP.loss(gather=gather), fsdp_opt, fsdp=True)
+    assert fsdp_opt.plan.config.grad_reduce_in_fp32  # the bench's default
+    step = tb.lwjax_step(FSDP.loss(gather=lwjax.gather_params), fsdp_opt, fsdp=True)
     got, got_state, loss, grad_norm = step(split, fsdp_opt.init(split), split_batch)
 
     _assert_trees_close(got, want, 1e-5, where=where)
@@ -319,7 +318,7 @@ def test_fsdp_adamw_step_with_remat_is_the_zero1_step(lwjax_step_at_dp4):
     mesh, _, split, split_batch = _fsdp_inputs(params, batch)
     opt = tb.lwjax_optimizer(split, mesh, cfg, muon=False)
     assert not any(r.is_muon for r in opt.plan.routes)
-    step = tb.lwjax_step(cfg.loss(gather=tb.fsdp_gather), opt, fsdp=True)
+    step = tb.lwjax_step(cfg.loss(gather=lwjax.gather_params), opt, fsdp=True)
     got, got_state, _, grad_norm = step(split, opt.init(split), split_batch)
 
     grads = _grad(params, np.asarray(batch))
@@ -342,10 +341,11 @@ def test_fsdp_forward_backward_with_remat_takes_the_full_batch_loss_and_gradient
     params, batch, *_ = lwjax_step_at_dp4
     mesh, specs, split, split_batch = _fsdp_inputs(params, batch)
     loss, square = tb.forward_backward_step(
-        dataclasses.replace(FSDP, remat=True).loss(gather=tb.fsdp_gather),
+        dataclasses.replace(FSDP, remat=True).loss(gather=lwjax.gather_params),
         mesh,
         axis=("dp", tb.FSDP_AXIS),
         param_specs=specs,
+        gather=tb.fsdp_param_gather(CFG.model(), mesh, reduce_in_fp32=False),
     )(split, split_batch)
     want_loss, want_square = tb.forward_backward_step(CFG.loss(), mesh_of(4))(params, batch)
 
@@ -721,39 +721,6 @@ def test_megatron_training_step_records_come_from_the_script_it_ran(tmp_path, ca
     assert "skipped: overlap_param_gather" in table and "Megatron-Core Adam" in table
     adam_row = next(line for line in table.splitlines() if names["adam"] in line)
     assert "+20.0%" in adam_row  # Megatron's Muon over its own Adam
-
-
-@pytest.mark.parametrize("reduce_in_fp32", [False, True])
-def test_fsdp_gather_reduces_the_gradient_in_the_dtype_asked_for(reduce_in_fp32):
-    """The gather's transpose: the sum of the devices' gradients of each block, reduce-scattered
-    in fp32 with ``reduce_in_fp32`` (as ``grad_reduce_in_fp32`` asks) and rounded once, else in
-    the leaf's bf16."""
-    mesh = fsdp_mesh(4)
-    scale = np.arange(1, 5, dtype=np.float32).repeat(2)[:, None] * np.ones((8, 8), np.float32)
-
-    def local(w, scale):
-        gather = functools.partial(tb.fsdp_gather, reduce_in_fp32=reduce_in_fp32)
-        return jax.grad(lambda w: jnp.sum(gather(w).astype(jnp.float32) * scale))(w)
-
-    step = jax.jit(
-        jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(P(None, tb.FSDP_AXIS), P(("dp", tb.FSDP_AXIS))),
-            out_specs=P(None, tb.FSDP_AXIS),
-            check_vma=False,
-        )
-    )
-    w = jnp.ones((2, 8), jnp.bfloat16)
-    text = step.lower(w, scale).as_text()
-    reduced = re.findall(
-        r"stablehlo\.reduce_scatter\".*?\}\) : \(tensor<[0-9x]+x(f32|bf16)>\)", text, re.DOTALL
-    )
-    assert reduced and set(reduced) == {"f32" if reduce_in_fp32 else "bf16"}
-    grad = step(w, scale)
-    # Device d holds rows 2d, 2d+1 of scale, all d + 1: the gradient sums them, 1 + 2 + 3 + 4.
-    assert grad.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.full((2, 8), 10.0))
 
 
 def test_collectives_count_every_array_of_a_combined_collective():

@@ -32,7 +32,7 @@ from lwjax.tools.bench.floor import (
     optimizer_step_floor,
     symmetric_share,
 )
-from lwjax.tools.bench.fsdp import FSDP_AXIS, fsdp_gather, fsdp_params, fsdp_specs
+from lwjax.tools.bench.fsdp import FSDP_AXIS, fsdp_param_gather, fsdp_params, fsdp_specs
 from lwjax.tools.bench.megatron_scripts import (
     MEGATRON_CONTENDERS,
     megatron_optimizer_step,
@@ -129,7 +129,7 @@ __all__ = [
     "collectives",
     "constant_params",
     "forward_backward_step",
-    "fsdp_gather",
+    "fsdp_param_gather",
     "fsdp_params",
     "fsdp_specs",
     "kernel_summary",

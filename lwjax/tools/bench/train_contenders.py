@@ -22,15 +22,15 @@ step of :mod:`lwjax.tools.bench.train_steps` over the same devices and batch:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
 from lwjax.megatron.model import init_params, unstack_layers
+from lwjax.parallel.gather import WHOLE, gather_params
 from lwjax.tools.bench.config import TrainBenchConfig
-from lwjax.tools.bench.fsdp import FSDP_AXIS, fsdp_gather, fsdp_params, fsdp_specs
+from lwjax.tools.bench.fsdp import FSDP_AXIS, fsdp_param_gather, fsdp_params, fsdp_specs
 from lwjax.tools.bench.synthetic import replicated
 from lwjax.tools.bench.train_steps import (
     forward_backward_step,
@@ -92,9 +92,8 @@ def train_setting(cfg: TrainBenchConfig, mesh, batch) -> TrainSetting:
     """The setting of ``cfg`` on ``mesh`` (an ``fsdp`` axis in it: fully sharded)."""
     if not cfg.fsdp:
         return TrainSetting(cfg, mesh, batch, cfg.loss(), "dp")
-    gather = functools.partial(fsdp_gather, reduce_in_fp32=cfg.grad_reduce_in_fp32)
     specs = fsdp_specs(cfg.model(), mesh.shape[FSDP_AXIS])
-    return TrainSetting(cfg, mesh, batch, cfg.loss(gather=gather), ("dp", FSDP_AXIS), specs)
+    return TrainSetting(cfg, mesh, batch, cfg.loss(gather=gather_params), ("dp", FSDP_AXIS), specs)
 
 
 class BuiltStep(NamedTuple):
@@ -168,8 +167,12 @@ def _optax_adamw(setting: TrainSetting) -> BuiltStep:
 
 
 def _forward_backward(setting: TrainSetting) -> BuiltStep:
+    cfg, mesh = setting.cfg, setting.mesh
+    gather = WHOLE
+    if setting.fsdp:
+        gather = fsdp_param_gather(cfg.model(), mesh, reduce_in_fp32=cfg.grad_reduce_in_fp32)
     step = forward_backward_step(
-        setting.loss, setting.mesh, axis=setting.data_axes, param_specs=setting.param_specs
+        setting.loss, mesh, axis=setting.data_axes, param_specs=setting.param_specs, gather=gather
     )
     return BuiltStep(step, (setting.params(setting.cfg.param_dtype),))
 

@@ -1,9 +1,8 @@
 """The training steps the training-step bench times, each one jitted step over one batch.
 
 * :func:`lwjax_step`: local gradients into ``layerwise_muon``'s ``local_update`` in
-  ``shard_map``, over replicated parameters or, with ``fsdp``, over parameters split over
-  ``fsdp`` (:mod:`lwjax.tools.bench.fsdp`), which ``make_train_step`` does not build: the bench's
-  fully sharded step lives here until lwjax has a public one;
+  ``shard_map``, over replicated parameters or, with ``fsdp``, ``make_train_step``'s step over
+  parameters split over ``fsdp`` (:mod:`lwjax.tools.bench.fsdp`);
 * :func:`lwjax_optax_step`: lwjax's optimizer as an optax transformation under ``jax.jit``;
 * :func:`optax_step`: all-reduced gradients and a replicated optax transformation
   (:func:`optax_adamw`);
@@ -22,10 +21,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer, state_shardings
+from lwjax.parallel.gather import WHOLE, ParamGather
 from lwjax.tools.bench.config import TrainBenchConfig
 from lwjax.tools.bench.fsdp import FSDP_AXIS
 from lwjax.tools.bench.workloads import workload_optimizer
-from lwjax.train import jit_shard_map, value_and_grad
+from lwjax.train import jit_shard_map, make_train_step, value_and_grad
+from lwjax.train_options import TrainStepOptions
 
 
 def lwjax_optimizer(
@@ -61,33 +62,41 @@ def lwjax_step(
 
     Local gradients go into ``optimizer.local_update``, which takes each
     device's gradient of its local mean loss and the mean over dp itself
-    (inside its reduce-scatter). With ``fsdp`` the loss gathers the
-    parameters over ``fsdp`` (:func:`fsdp_gather`), whose transpose has summed
-    the ``n`` devices' gradients into each block: divided by ``n``, the
-    gradient of the mean loss. ``params`` (split as ``optimizer.param_specs``
-    says) and ``state`` are donated; ``batch`` is split over the data axes
-    on its leading axis. With ``overlap_param_gather`` the step is
-    ``step(state, batch) -> (state, loss, grad_norm)``: it gathers the
-    parameters from the masters first and none at the end.
+    (inside its reduce-scatter). With ``fsdp`` it is
+    :func:`lwjax.make_train_step`'s step with ``fsdp_axes="fsdp"``: the loss
+    gathers each layer over ``fsdp`` (:func:`lwjax.gather_params`), whose
+    transpose reduce-scatters each gradient, and the step averages over the
+    ``fsdp`` devices (:mod:`lwjax.sharded_gradients`). ``params`` (split as
+    ``optimizer.param_specs`` says) and ``state`` are donated; ``batch`` is
+    split over the data axes on its leading axis. With
+    ``overlap_param_gather`` the step is ``step(state, batch) -> (state,
+    loss, grad_norm)``: it gathers the parameters from the masters first and
+    none at the end.
     """
-    data_axes = (optimizer.axis, FSDP_AXIS) if fsdp else optimizer.axis
-    fsdp_size = optimizer.mesh.shape[FSDP_AXIS] if fsdp else 1
+    if fsdp:
+        train_step = make_train_step(loss, optimizer, options=TrainStepOptions(fsdp_axes=FSDP_AXIS))
+
+        def step(params, state, batch):
+            params, state, metrics = train_step(params, state, batch)
+            return params, state, metrics["loss"], metrics["grad_norm"]
+
+        return jax.jit(step, donate_argnums=(0, 1))  # the bench lowers and compiles it
 
     def local(params, state, batch):
         if overlap_param_gather:
             params = optimizer.local_params(state)
         value, grads = jax.value_and_grad(loss)(params, batch)
-        grads = jax.tree.map(lambda g: g / fsdp_size, grads) if fsdp else grads
         params, state, metrics = optimizer.local_update(
             grads, state, params, gather=not overlap_param_gather
         )
-        return params, state, lax.pmean(value, data_axes), metrics["grad_norm"]
+        return params, state, lax.pmean(value, optimizer.axis), metrics["grad_norm"]
 
+    axis = optimizer.axis
     if overlap_param_gather:
         return jit_shard_map(
             lambda state, batch: local(None, state, batch)[1:],
             optimizer.mesh,
-            (optimizer.state_specs, P(data_axes)),
+            (optimizer.state_specs, P(axis)),
             (optimizer.state_specs, P(), P()),
             donate_argnums=(0,),
         )
@@ -95,7 +104,7 @@ def lwjax_step(
     return jit_shard_map(
         local,
         optimizer.mesh,
-        (specs, optimizer.state_specs, P(data_axes)),
+        (specs, optimizer.state_specs, P(axis)),
         (specs, optimizer.state_specs, P(), P()),
         donate_argnums=(0, 1),
     )
@@ -171,19 +180,27 @@ def optax_step(loss, tx: optax.GradientTransformation, mesh: Mesh, *, axis: str 
 
 
 def forward_backward_step(
-    loss, mesh: Mesh, *, axis: str | tuple[str, ...] = "dp", param_specs=None
+    loss,
+    mesh: Mesh,
+    *,
+    axis: str | tuple[str, ...] = "dp",
+    param_specs=None,
+    gather: ParamGather = WHOLE,
 ):
     r"""``step(params, batch) -> (loss, a sum of squares of the gradients)``: the compute floor.
 
     ``batch`` is split over ``axis`` (a name or a tuple), ``params`` as ``param_specs`` says
-    (``None``: replicated). The sum keeps every gradient computed: of each device's own gradients
+    (``None``: replicated), and ``loss`` runs with ``gather`` active (what
+    :func:`lwjax.gather_params` gathers: :func:`~lwjax.tools.bench.fsdp.fsdp_param_gather`
+    with ``fsdp``). The sum keeps every gradient computed: of each device's own gradients
     (:math:`\sum_d \lVert g_d \rVert^2`), or with ``params`` split as
     :func:`fsdp_specs` says, of the blocks the gathers' transposes summed
     (:math:`\lVert \sum_d g_d \rVert^2`).
     """
 
     def local(params, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
+        with gather.active():
+            value, grads = jax.value_and_grad(loss)(params, batch)
         square = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
         return lax.pmean(value, axis), lax.psum(square, axis)
 
