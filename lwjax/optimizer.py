@@ -321,25 +321,9 @@ def layerwise_muon(
     _check_learning_rates(learning_rate, adam_learning_rate)
     groups = None
     if replica_axis == "auto" or isinstance(replica_axis, AutoGroups):
-        auto = AutoGroups() if replica_axis == "auto" else replica_axis
-        if expert_axis is not None:
-            raise ValueError(
-                "layerwise_muon: replica_axis='auto' does not choose groups beside an "
-                f"expert_axis ({expert_axis!r}); build the groups with group_mesh(mesh, G) and "
-                "pass replica_axis='replica'."
-            )
-        mesh, layout, groups = auto_groups(
-            params,
-            mesh,
-            axis=axis,
-            param_axes=param_axes,
-            groups=auto,
-            layout=layout,
-            routing=routing,
-            matrix_convention=config.matrix_convention,
+        mesh, layout, replica_axis, groups = _auto_grouped(
+            params, mesh, axis, expert_axis, param_axes, replica_axis, layout, routing, config
         )
-        _warn_groups(groups)
-        replica_axis = auto.name
     axes = mesh_axes(mesh, axis, expert_axis, replica_axis, param_axes)
     plan = plan_step(
         plan_params(
@@ -361,6 +345,32 @@ def layerwise_muon(
     return _optimizer(plan, mesh, axis, expert_axis, param_axes)._replace(groups=groups)
 
 
+def _auto_grouped(
+    params, mesh, axis, expert_axis, param_axes, replica_axis, layout, routing, config
+):
+    """``replica_axis="auto"``: ``(grouped mesh, layout, replica axis name, GroupChoice)``
+    (:func:`lwjax.parallel.mesh.auto_groups`), with a warning when the choice misses a bound."""
+    auto = AutoGroups() if replica_axis == "auto" else replica_axis
+    if expert_axis is not None:
+        raise ValueError(
+            "layerwise_muon: replica_axis='auto' does not choose groups beside an "
+            f"expert_axis ({expert_axis!r}); build the groups with group_mesh(mesh, G) and "
+            "pass replica_axis='replica'."
+        )
+    mesh, layout, groups = auto_groups(
+        params,
+        mesh,
+        axis=axis,
+        param_axes=param_axes,
+        groups=auto,
+        layout=layout,
+        routing=routing,
+        matrix_convention=config.matrix_convention,
+    )
+    _warn_groups(groups)
+    return mesh, layout, auto.name, groups
+
+
 def _warn_groups(choice: GroupChoice) -> None:
     """Say when the groups ``replica_axis="auto"`` chose miss a bound or span hosts."""
     if choice.notes:
@@ -370,7 +380,7 @@ def _warn_groups(choice: GroupChoice) -> None:
             f"({option.policy}): " + " ".join(choice.notes) + " (optimizer.groups has every "
             "option; pass replica_axis='replica' with group_mesh(mesh, G) to fix G.)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of layerwise_muon
         )
 
 
