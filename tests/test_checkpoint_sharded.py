@@ -207,3 +207,14 @@ def test_checkpoints_reshard_between_meshes_bit_for_bit(tmp_path):
     placed, state = checkpoint.restore(path, first)
     _assert_bitwise(placed, saved_params, "the parameters back at fsdp 8")
     _assert_bitwise(state, saved_state, "the packed state back at fsdp 8")
+
+
+def test_conversion_programs_are_built_once_per_optimizer(monkeypatch):
+    """A job that saves every N steps traces and compiles the conversions once: converting
+    again with the same optimizer builds no program."""
+    opt, _, state = _stepped("fsdp 8")
+    logical.to_logical(opt, state)
+    built, jit = [], jax.jit
+    monkeypatch.setattr(jax, "jit", lambda fun, **options: built.append(fun) or jit(fun, **options))
+    _assert_bitwise(from_logical(opt, logical.to_logical(opt, state)), state, "a round trip")
+    assert built == []
