@@ -146,8 +146,8 @@ def test_save_and_restore_hold_a_devices_share_plus_bounded_staging(
     by chunk). Before, at fsdp 8, the save held 22.5x the packed state above what it held and
     the restore 21.5x above its parameters and packed state: the logical state on the devices
     (1x) and the fingerprints, which gathered every array whole onto every device."""
-    monkeypatch.setattr(shards, "STAGING_BYTES", STAGING)
     opt, placed, state = _stepped(mesh_name)
+    monkeypatch.setattr(shards, "STAGING_BYTES", STAGING)
     device = jax.devices()[0]
     gc.collect()
     before = _in_device_memory(jax.live_arrays(), device)
