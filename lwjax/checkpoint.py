@@ -8,6 +8,16 @@ policy or bucket size: :func:`restore` reads the arrays straight into the
 target's logical shardings and packs them with
 :func:`~lwjax.logical.from_logical`.
 
+The logical state never sits on the devices whole: :func:`save` converts it a
+chunk of leaves at a time into host memory (``pinned_host``,
+:func:`~lwjax.logical.host_memory_kind`), and :func:`restore` reads it into host
+memory and moves one chunk at a time onto the devices to pack it. So on every
+device saving holds what it held before plus one chunk's staging, and restoring
+holds the parameters, the packed state it builds and one chunk's staging; a
+chunk's staging is at most ``2 × max(STAGING_BYTES, largest leaf block)``
+(:mod:`lwjax.logical_shards`). Each host holds its devices' parts of the logical
+state meanwhile.
+
 On disk (orbax-checkpoint, one composite checkpoint)::
 
     <path>/arrays/   every array, named ``params/<leaf path>``, ``state/masters/<leaf path>``,
@@ -36,6 +46,7 @@ multi-host global arrays (orbax writes each host's shards) and, with
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,7 +69,13 @@ from lwjax.checkpoint_record import (
     transform_name,
 )
 from lwjax.checkpoint_record import fingerprints as fingerprints
-from lwjax.logical import LogicalState, from_logical, logical_shardings, to_logical
+from lwjax.logical import (
+    LogicalState,
+    from_logical,
+    host_memory_kind,
+    logical_shardings,
+    to_logical,
+)
 from lwjax.optimizer import LayerwiseOptimizer
 from lwjax.routing import LeafRoute, path_name
 from lwjax.state import LayerwiseState
@@ -155,9 +172,29 @@ def checkpoint_args(
     For orbax APIs that take args, such as the step directories of
     :class:`lwjax.checkpoint_manager.CheckpointManager`. Arguments as :func:`save`'s.
     """
-    logical = to_logical(optimizer, state)
+    logical = _logical_in_host_memory(optimizer, state)
     fields = dict(step=step, metadata=metadata, **_options(optimizer))
     return _composite(*build_contents(params, logical, optimizer.plan.routes, **fields))
+
+
+def _host_memory(optimizer: LayerwiseOptimizer) -> str | None:
+    """Where the logical state of a save or restore lives: host memory, or (with a warning,
+    where the devices have none) the devices."""
+    kind = host_memory_kind(optimizer)
+    if kind is None:
+        device = optimizer.mesh.devices.flat[0]
+        warnings.warn(
+            f"lwjax checkpoint: {device.platform} devices have no 'pinned_host' memory, so the "
+            "logical state is held on the devices while it is saved or restored (about twice "
+            "the optimizer state per device).",
+            stacklevel=3,
+        )
+    return kind
+
+
+def _logical_in_host_memory(optimizer: LayerwiseOptimizer, state: LayerwiseState):
+    """The logical state of ``state``, each chunk moved to host memory as it is converted."""
+    return to_logical(optimizer, state, memory_kind=_host_memory(optimizer))
 
 
 def _options(optimizer: LayerwiseOptimizer) -> dict[str, Any]:
@@ -201,8 +238,9 @@ def save(
     """Save parameters and optimizer state as logical per-parameter arrays.
 
     The state is unpacked with :func:`~lwjax.logical.to_logical` first, so the
-    checkpoint does not depend on this optimizer's dp size, layout or buckets.
-    Inverse of :func:`restore`.
+    checkpoint does not depend on this optimizer's dp size, layout or buckets;
+    each chunk of it goes to host memory as it is converted, so a device holds what
+    it held before plus one chunk's staging (module docstring). Inverse of :func:`restore`.
 
     Args:
       path: Checkpoint directory to create (atomically).
@@ -226,7 +264,7 @@ def save(
       >>> save("/tmp/ckpt/step_100", params, state, opt)            # doctest: +SKIP
       >>> params, state = restore("/tmp/ckpt/step_100", other_opt)  # doctest: +SKIP
     """
-    logical = to_logical(optimizer, state)
+    logical = _logical_in_host_memory(optimizer, state)
     return save_logical(
         path,
         params,
@@ -270,7 +308,8 @@ def read_record(path) -> dict:
 
 
 def _target(optimizer: LayerwiseOptimizer, params_like):
-    """Abstract ``{"params", "state"}`` tree of the optimizer, with target shardings."""
+    """Abstract ``{"params", "state"}`` tree of the optimizer, with target shardings: the
+    parameters as the optimizer holds them, the logical state in host memory."""
     if params_like is None:
         leaves = [jax.ShapeDtypeStruct(r.shape, jnp.dtype(r.dtype)) for r in optimizer.plan.routes]
         params_like = jax.tree_util.tree_unflatten(optimizer.plan.treedef, leaves)
@@ -291,8 +330,11 @@ def _target(optimizer: LayerwiseOptimizer, params_like):
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params),
     )
     abstract_logical = jax.eval_shape(lambda s: to_logical(optimizer, s), abstract_state)
+    memory_kind = _host_memory(optimizer)
     abstract_logical = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        lambda x, s: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=s.with_memory_kind(memory_kind)
+        ),
         abstract_logical,
         logical_shardings(optimizer, abstract_logical),
     )
@@ -326,7 +368,9 @@ def restore(path, optimizer: LayerwiseOptimizer, params_like=None) -> tuple[Any,
     Inverse of :func:`save`. The target optimizer defines where everything
     goes: parameters come back on its mesh as it holds them (replicated, or
     split over its expert and tensor-parallel axes; or with ``params_like``'s
-    shardings), the state packed for its layout.
+    shardings), the state packed for its layout. The logical state is read into
+    host memory and packed a chunk at a time, so a device holds its parameters,
+    its packed state and one chunk's staging (module docstring).
 
     Args:
       path: A checkpoint written by :func:`save` or :func:`save_logical`.

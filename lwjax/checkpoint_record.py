@@ -12,6 +12,7 @@ anything is read; :func:`fingerprints` then checks the data that was read.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from importlib.metadata import version as _version
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from etils import epath
 from jax import lax
 
+from lwjax import logical_shards as shards
 from lwjax.logical import LogicalState
 from lwjax.routing import LeafRoute, path_name
 
@@ -54,28 +56,72 @@ def _bits_jnp(x):
     return lax.bitcast_convert_type(x, view).astype(jnp.uint32)
 
 
-@jax.jit
-def _fingerprints_jnp(arrays: dict):
-    """Two uint32 position-weighted sums of each array's bits; exact under any sharding."""
-    out = {}
-    for name, x in arrays.items():
-        bits = _bits_jnp(x).reshape(-1)
-        mix = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1])
-        h1 = jnp.sum(bits * (mix | jnp.uint32(1)), dtype=jnp.uint32)
-        h2 = jnp.sum(
-            (bits ^ mix) * jnp.uint32(_MIX[2]) + (bits >> jnp.uint32(13)), dtype=jnp.uint32
-        )
-        out[name] = jnp.stack([h1, h2])
+def _positions(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's flat (C-order) index, modulo 2^32, shaped like the array: computed per
+    axis, so that it is split as the array is (a flat ``arange`` would be whole on every
+    device, and so would the array reshaped to match it)."""
+    out, stride = jnp.zeros(shape, jnp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        out = out + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
     return out
 
 
+@jax.jit
+def _fingerprint_jnp(x: jax.Array) -> jax.Array:
+    """Two uint32 position-weighted sums of an array's bits; exact under any sharding, each
+    device summing its own elements in one pass (one reduction of both sums, so that XLA
+    computes its operands as it reads them instead of keeping them whole)."""
+    bits = _bits_jnp(x)
+    mix = _positions(x.shape) * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1])
+    terms = (
+        bits * (mix | jnp.uint32(1)),
+        (bits ^ mix) * jnp.uint32(_MIX[2]) + (bits >> jnp.uint32(13)),
+    )
+    zero = jnp.uint32(0)
+    sums = lax.reduce(
+        terms, (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim))
+    )
+    return jnp.stack(sums)
+
+
+@jax.jit
+def _fingerprints_jnp(arrays: dict) -> dict:
+    return {name: _fingerprint_jnp(x) for name, x in arrays.items()}
+
+
 def fingerprints(arrays: Mapping[str, Any]) -> dict[str, str]:
-    """A 64-bit fingerprint of every array (numpy and jax agree bit for bit)."""
-    device = {k: v for k, v in arrays.items() if isinstance(v, jax.Array) and v.dtype.itemsize <= 4}
-    out = {k: _fingerprint_np(v) for k, v in arrays.items() if k not in device}
-    if device:
-        for name, pair in jax.device_get(_fingerprints_jnp(device)).items():
-            out[name] = f"{int(pair[0]):08x}{int(pair[1]):08x}"
+    """A 64-bit fingerprint of every array (numpy and jax agree bit for bit).
+
+    jax arrays are fingerprinted on the devices that hold them, each device summing its own
+    elements, in programs over chunks of arrays: an array in another memory (host memory: a
+    checkpoint's logical state) is copied onto its devices for its chunk, at most
+    :data:`~lwjax.logical_shards.STAGING_BYTES` of copies per device (or one array) at a
+    time, and freed before the next chunk's are made.
+    """
+    names = [k for k, v in arrays.items() if isinstance(v, jax.Array) and v.dtype.itemsize <= 4]
+    out = {k: _fingerprint_np(v) for k, v in arrays.items() if k not in names}
+    elsewhere = [arrays[k].sharding.memory_kind not in (None, "device") for k in names]
+    costs = [
+        math.prod(arrays[k].sharding.shard_shape(arrays[k].shape)) * arrays[k].dtype.itemsize
+        if moved
+        else 0
+        for k, moved in zip(names, elsewhere)
+    ]
+    pairs = {}
+    for group in shards.chunks(costs, shards.STAGING_BYTES):
+        chunk = {
+            names[i]: jax.device_put(
+                arrays[names[i]], arrays[names[i]].sharding.with_memory_kind("device")
+            )
+            if elsewhere[i]
+            else arrays[names[i]]
+            for i in group
+        }
+        pairs.update(jax.block_until_ready(_fingerprints_jnp(chunk)))
+        del chunk  # its copies are freed before the next chunk's are made
+    for name, pair in jax.device_get(pairs).items():
+        out[name] = f"{int(pair[0]):08x}{int(pair[1]):08x}"
     return {k: out[k] for k in arrays}
 
 

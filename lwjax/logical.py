@@ -9,14 +9,20 @@ dp size. The two are inverses, bit for bit.
 
 A logical array is split over every mesh axis (:func:`logical_sharding`), and
 both conversions move each device's own parts only, a chunk of leaves at a time
-(:mod:`lwjax.logical_shards`): a device holds its packed state, its part of the
-logical state and at most :data:`~lwjax.logical_shards.STAGING_BYTES` of staging
-(or one leaf's block, where that is larger) beside them.
+(:mod:`lwjax.logical_shards`), so a device holds its packed state and at most
+:data:`~lwjax.logical_shards.STAGING_BYTES` of staging (or one leaf's block, where that is
+larger) beside the logical arrays that are in its memory. Those can live elsewhere:
+:func:`to_logical` can put each chunk in host memory as it is converted (``memory_kind``),
+and :func:`from_logical` moves a chunk onto the devices only while it packs it. The
+conversion programs are compiled once per optimizer (a job that saves every N steps
+reuses them).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -165,11 +171,31 @@ def _chunks(optimizer: LayerwiseOptimizer, items, dtypes, staging_bytes: int | N
     return [[items[k] for k in group] for group in shards.chunks(costs, budget)]
 
 
+# The conversion programs of the optimizers used last, by ``id`` (the entry holds the
+# optimizer, so its ``id`` is not reused while cached).
+_PROGRAMS: OrderedDict[int, tuple[LayerwiseOptimizer, dict]] = OrderedDict()
+_CACHED_OPTIMIZERS = 4
+
+
+def _program(optimizer: LayerwiseOptimizer, key: Hashable, build: Callable[[], Callable]):
+    """The jitted program ``key`` of ``optimizer``: ``build()`` the first time, then the same
+    one, so that its trace and compilation are reused. The last
+    :data:`_CACHED_OPTIMIZERS` optimizers keep theirs."""
+    _, programs = _PROGRAMS.pop(id(optimizer), (optimizer, {}))
+    _PROGRAMS[id(optimizer)] = (optimizer, programs)
+    while len(_PROGRAMS) > _CACHED_OPTIMIZERS:
+        _PROGRAMS.popitem(last=False)
+    if key not in programs:
+        programs[key] = build()
+    return programs[key]
+
+
 def to_logical(
     optimizer: LayerwiseOptimizer,
     state: LayerwiseState,
     *,
     staging_bytes: int | None = None,
+    memory_kind: str | None = None,
 ) -> LogicalState:
     """Unpack a sharded :class:`LayerwiseState` into its per-parameter :class:`LogicalState`.
 
@@ -178,6 +204,11 @@ def to_logical(
     leaves at a time (at most ``staging_bytes``, default
     :data:`~lwjax.logical_shards.STAGING_BYTES`, of blocks per device and program:
     :mod:`lwjax.logical_shards`).
+
+    With ``memory_kind`` (e.g. ``"pinned_host"``: :func:`host_memory_kind`) each chunk's
+    arrays are written to that memory of their devices by the program that converts them,
+    so the devices hold the packed state and one chunk's staging, never the logical state
+    (the step count and the elementwise state's scalars stay on the devices).
     """
     plan = optimizer.plan
     runs = shards.pieces(plan)
@@ -187,6 +218,7 @@ def to_logical(
     dtypes = [dtype, dtype] + [jax.tree.leaves(c)[0].dtype for c in components[2:]]
     parts = {}
     items = _items(optimizer, components, runs)
+    structure = jax.tree.structure(components)
     for chunk in _chunks(optimizer, items, dtypes, staging_bytes):
         out_specs = [shards.logical_spec(optimizer, plan.routes[i]) for _, i in chunk]
 
@@ -196,8 +228,16 @@ def to_logical(
                 for (c, i), spec in zip(chunk, out_specs)
             ]
 
-        done = _sharded(optimizer, read, (in_specs,), out_specs)(components)
-        parts.update(zip(chunk, done))
+        out = [NamedSharding(optimizer.mesh, spec, memory_kind=memory_kind) for spec in out_specs]
+        key = ("read", structure, tuple(chunk), tuple(dtypes), memory_kind)
+        program = _program(
+            optimizer,
+            key,
+            lambda read=read, out_specs=out_specs, out=out: _sharded(
+                optimizer, read, (in_specs,), out_specs, out_shardings=out
+            ),
+        )
+        parts.update(zip(chunk, program(components)))
     trees = [
         jax.tree_util.tree_unflatten(plan.treedef, [parts.get((c, i)) for i in range(len(runs))])
         for c in range(len(components))
@@ -213,6 +253,14 @@ def to_logical(
             [next(sharded) if _is_sharded(spec) else scalars[k] for k, spec in enumerate(specs)],
         )
     return LogicalState(state.count, trees[0], trees[1], elementwise)
+
+
+def host_memory_kind(optimizer: LayerwiseOptimizer) -> str | None:
+    """``"pinned_host"`` where every device of the optimizer's mesh has that memory (CPU,
+    GPU and TPU in current jax), else ``None``: where :func:`lwjax.save` puts the
+    logical state while it writes it."""
+    kinds = [{m.kind for m in d.addressable_memories()} for d in optimizer.mesh.devices.flat]
+    return "pinned_host" if all("pinned_host" in k for k in kinds) else None
 
 
 def _sharded(optimizer: LayerwiseOptimizer, fn, in_specs, out_specs, **options):
@@ -236,9 +284,12 @@ def from_logical(
     Inverse of :func:`to_logical`. The logical state may come from an
     optimizer with another dp size, layout policy or bucket size. A pipelined
     optimizer's speculation flag, a scheduling guess that never changes a
-    result, is not part of it and starts again at ``False``. Each array is
-    placed in its :func:`logical_sharding` first; the packed buckets are written
-    in place a chunk of leaves at a time (as :func:`to_logical`).
+    result, is not part of it and starts again at ``False``. The packed buckets
+    are written in place a chunk of leaves at a time (as :func:`to_logical`):
+    each chunk's arrays are placed in their :func:`logical_sharding` on the devices
+    (from host memory, numpy or another sharding), packed, and freed before the
+    next, so the devices hold the packed state and one chunk's staging beside
+    whatever of ``logical`` already was on them.
     """
     plan = optimizer.plan
     mesh = optimizer.mesh
@@ -290,8 +341,13 @@ def from_logical(
     shardings = jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=lambda x: isinstance(x, P)
     )
-    components = jax.jit(
-        lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros), out_shardings=shardings
+    components = _program(
+        optimizer,
+        ("zeros", tuple(dtypes)),
+        lambda: jax.jit(
+            lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros),
+            out_shardings=shardings,
+        ),
     )()
     items = _items(optimizer, components, runs)
     for chunk in _chunks(optimizer, items, dtypes, staging_bytes):
@@ -307,9 +363,17 @@ def from_logical(
                 shards.write_part(optimizer, runs[i], i, part, arrays[c], spec)
             return [tuple(None if b is None else tuple(b) for b in c) for c in arrays]
 
-        components = _sharded(optimizer, write, (in_specs, part_specs), in_specs, donate_argnums=0)(
-            components, parts
+        program = _program(
+            optimizer,
+            ("write", tuple(chunk)),
+            lambda write=write, part_specs=part_specs: _sharded(
+                optimizer, write, (in_specs, part_specs), in_specs, donate_argnums=0
+            ),
         )
+        components = program(components, parts)
+        # This chunk's parts leave the devices before the next chunk's arrive.
+        del parts
+        jax.block_until_ready(components)
     count = jax.device_put(logical.count, replicated).astype(jnp.int32)
     scalars = jax.device_put(scalars, replicated)
     elementwise = [None] * len(plan.buffers)

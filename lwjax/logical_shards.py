@@ -18,10 +18,12 @@ at a time, grouped into chunks of at most :data:`STAGING_BYTES` per device:
   writes the pieces its shards hold into its buckets, which the chunk updates in
   place (donated).
 
-So a device holds its packed state, the logical arrays' parts (``1/N`` of each
-leaf whose axes divide the mesh) and one chunk's staging: per leaf of the chunk,
-its block as one device of the parameter split holds it (``4`` bytes per
-element at least). A leaf larger than :data:`STAGING_BYTES` is a chunk alone.
+So a device holds its packed state, one chunk's staging (per leaf of the chunk,
+its block as one device of the parameter split holds it, ``4`` bytes per element
+at least, and its part) and the logical arrays' parts (``1/N`` of each leaf whose
+axes divide the mesh) that are in its memory: none, where they go to or come from
+host memory chunk by chunk (:mod:`lwjax.checkpoint`). A leaf larger than
+:data:`STAGING_BYTES` is a chunk alone.
 """
 
 from __future__ import annotations

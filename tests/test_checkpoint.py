@@ -297,25 +297,48 @@ def test_uncommitted_or_foreign_directories_are_refused(tmp_path):
 
 
 def test_fingerprints_agree_between_numpy_and_sharded_jax():
+    """numpy, jax arrays split on any axis, and jax arrays in host memory (a save's logical
+    state) give the same fingerprints; a changed bit or order changes them."""
     rng = np.random.default_rng(0)
     arrays = {
         "f32": rng.standard_normal((8, 6)).astype(np.float32),
         "i32": np.arange(5, dtype=np.int32),
         "scalar": np.asarray(3, np.int32),
+        "f32_3d": rng.standard_normal((3, 4, 5)).astype(np.float32),
     }
     arrays["bf16"] = arrays["f32"].astype(jnp.bfloat16)
-    sharded = {
-        k: jax.device_put(
-            v, NamedSharding(mesh_of(2), P("dp") if v.ndim and v.shape[0] % 2 == 0 else P())
-        )
-        for k, v in arrays.items()
+
+    def spec(v):
+        if v.ndim == 3:
+            return P(None, "dp")
+        return P("dp") if v.ndim and v.shape[0] % 2 == 0 else P()
+
+    sharded = {k: jax.device_put(v, NamedSharding(mesh_of(2), spec(v))) for k, v in arrays.items()}
+    in_host = {
+        k: jax.device_put(v, v.sharding.with_memory_kind("pinned_host")) for k, v in sharded.items()
     }
     assert checkpoint.fingerprints(arrays) == checkpoint.fingerprints(sharded)
+    assert checkpoint.fingerprints(in_host) == checkpoint.fingerprints(sharded)
     flipped = dict(arrays, f32=arrays["f32"].copy())
     flipped["f32"][3, 2] = np.nextafter(flipped["f32"][3, 2], np.inf)
     assert checkpoint.fingerprints(flipped)["f32"] != checkpoint.fingerprints(arrays)["f32"]
     swapped = dict(arrays, i32=arrays["i32"][::-1].copy())
     assert checkpoint.fingerprints(swapped)["i32"] != checkpoint.fingerprints(arrays)["i32"]
+
+
+def test_devices_without_host_memory_save_and_restore_with_a_warning(tmp_path, monkeypatch):
+    """Where the devices have no 'pinned_host' memory the logical state stays on them: a
+    warning says so, and the checkpoint round-trips."""
+    p, _ = _setup()
+    opt = _optimizer(p, 2, "lpt")
+    s = opt.init(p)
+    monkeypatch.setattr(checkpoint, "host_memory_kind", lambda optimizer: None)
+    with pytest.warns(UserWarning, match="no 'pinned_host' memory"):
+        checkpoint.save(tmp_path / "c", p, s, opt)
+    with pytest.warns(UserWarning, match="no 'pinned_host' memory"):
+        p_back, s_back = checkpoint.restore(tmp_path / "c", opt)
+    _assert_trees_equal(to_logical(opt, s_back), to_logical(opt, s))
+    _assert_trees_equal(p_back, p)
 
 
 class _Crash(BaseException):
