@@ -13,10 +13,11 @@ Newton–Schulz on each device's dealt matrices. The buckets' updates then apply
 them (:func:`lwjax.bucket_update.update_and_gather`); other slot groups (whole
 matrices, other modes) are computed bucket by bucket as before.
 
-Cost: the directions (bf16 under ``"medium"``) and momenta of every dealt
-matrix are alive at once, and each batch's exchange buffers hold the most
-matrices any device assembles of that shape, where a bucket at a time held one
-bucket's.
+Memory: the directions (bf16 under ``"medium"``) and momenta of every dealt
+matrix are alive together, but each shape's exchange buffers hold the most
+matrices any device assembles of that shape over the step (about its share),
+where a bucket at a time held a whole matrix per slot group on every device:
+XLA's estimate of the optimizer step's temporaries falls (``docs/scaling.md``).
 """
 
 from __future__ import annotations
