@@ -25,6 +25,7 @@ from lwjax import muon as muon_lib
 from lwjax import shards
 from lwjax.parallel.counted import count_once, counted_elements, first_device
 from lwjax.parallel.exchange import SplitExchange, split_exchange
+from lwjax.parallel.ns_deal import is_dealt
 from lwjax.plan import BufferPlan, SlotGroup, StepPlan
 
 
@@ -45,6 +46,9 @@ class BucketView:
       exchanges: Per slot group, how its matrices are split over the tensor axes
         (``None``: whole on each device).
       scratch: Zeros a shard needs past its end for spare slots (:func:`lwjax.shards.slot_groups`).
+      dealt: Per slot group, whether its matrices are dealt to devices
+        (:func:`lwjax.parallel.ns_deal.is_dealt`): their directions come from the
+        step's joint exchange (:mod:`lwjax.joint_directions`), not from this bucket.
     """
 
     buffer_index: int
@@ -54,11 +58,17 @@ class BucketView:
     groups: tuple[SlotGroup, ...]
     exchanges: tuple[SplitExchange | None, ...]
     scratch: int
+    dealt: tuple[bool, ...]
 
     @property
     def is_layer_wise(self) -> bool:
         """Whether Muon updates the bucket (else the elementwise transform)."""
         return self.buffer.key.is_layer_wise
+
+    @property
+    def own_groups(self) -> list[int]:
+        """The slot groups whose directions the bucket computes itself (not dealt)."""
+        return [j for j, dealt in enumerate(self.dealt) if not dealt]
 
     @property
     def size(self) -> int:
@@ -89,7 +99,10 @@ def bucket_views(plan: StepPlan, ranks) -> list[list[BucketView]]:
                 )
                 for g in groups
             )
-            per_buffer.append(BucketView(i, k, buffer, rank, tuple(groups), exchanges, scratch))
+            dealt = tuple(map(is_dealt, groups))
+            per_buffer.append(
+                BucketView(i, k, buffer, rank, tuple(groups), exchanges, scratch, dealt)
+            )
         views.append(per_buffer)
     return views
 
@@ -112,10 +125,26 @@ class BucketShards(NamedTuple):
 
 
 class Directions(NamedTuple):
-    """Muon directions computed before phase 4 (:mod:`lwjax.pipelined`)."""
+    """Muon directions computed before phase 4 (:mod:`lwjax.joint_directions`,
+    :mod:`lwjax.pipelined`)."""
 
-    of: dict  # (buffer, bucket) -> per slot group :func:`muon_directions`' (polar, momentum).
+    # (buffer, bucket) -> per slot group :func:`muon_directions`' (polar, momentum), None for
+    # a group left to the bucket's update.
+    of: dict
     final: bool  # Whether their momenta passed the finite check (else phase 4 selects).
+
+    def merged(self, other: Directions | None) -> Directions:
+        """These directions with ``other``'s filling the groups left ``None`` (the same
+        ``final``)."""
+        if other is None:
+            return self
+        if other.final != self.final:
+            raise ValueError(f"directions final={self.final} merged with final={other.final}.")
+        of = {key: list(given) for key, given in self.of.items()}
+        for key, given in other.of.items():
+            mine = of.setdefault(key, [None] * len(given))
+            of[key] = [a if b is None else b for a, b in zip(mine, given)]
+        return Directions(of, self.final)
 
 
 def weight_decay_at(plan: StepPlan, count: jax.Array) -> float | jax.Array:
@@ -205,35 +234,49 @@ def update_bucket(
 
     ``stats`` is the step's :class:`~lwjax.step.GradStats`. Directions
     computed earlier (``inputs.directions``, their momenta ``final`` or not)
-    were taken from gradients that needed no clip; others are computed here,
-    after the finite check. Returns the new master and moment and the sum of
-    squared master changes.
+    were taken from gradients that needed no clip or were clipped already;
+    the slot groups they leave ``None``, or all without them, are computed
+    here, after the finite check. Returns the new master and moment and the
+    sum of squared master changes.
     """
-    grad, directions = inputs.grad, inputs.directions
-    if plan.config.clip_grad and directions is None:
+    grad, given = inputs.grad, inputs.directions
+    computes_here = given is None or any(d is None for d in given)
+    if plan.config.clip_grad and computes_here:
         grad = clip(grad, stats.groups[bucket.buffer_index][bucket.bucket], stats.coefs)
     if not bucket.is_layer_wise:
         return update_elementwise(plan, bucket, inputs._replace(grad=grad), stats.finite, rates)
-    if directions is None:  # after the finite check: a skipped step's momentum is the old one
-        directions = muon_directions(plan, bucket, inputs.moment, grad, stats.finite)
-        final = True
+    directions = given
+    if computes_here:  # after the finite check: a skipped step's momentum is the old one
+        missing = None if given is None else [j for j, d in enumerate(given) if d is None]
+        computed = muon_directions(plan, bucket, inputs.moment, grad, stats.finite, missing)
+        if given is None:
+            directions, final = computed, True
+        else:
+            directions = [c if g is None else g for g, c in zip(given, computed)]
     inputs = inputs._replace(directions=directions)
     return apply_muon(plan, bucket, inputs, stats.finite, rates, final)
 
 
-def muon_directions(plan: StepPlan, bucket: BucketView, momentum, grad, finite=None) -> list:
+def muon_directions(
+    plan: StepPlan, bucket: BucketView, momentum, grad, finite=None, groups=None
+) -> list:
     """Phase 4a of a layer-wise bucket: :func:`~lwjax.muon.muon_polar` of each slot group.
 
     Reads this rank's matrices with one slice or gather per slot group; needs
     no master weights, so it can run as soon as the bucket's gradient shard
     has arrived. Given the step's ``finite`` check, a skipped step's momentum
     comes back unchanged (final: :func:`apply_muon` need not select it).
+    ``groups``: the slot groups to compute (default: all), ``None`` for the others.
     """
     scratch = bucket.scratch
     momentum, grad = shards.with_scratch(momentum, scratch), shards.with_scratch(grad, scratch)
     skip = None if finite is None else jnp.logical_not(finite)
+    todo = range(len(bucket.groups)) if groups is None else set(groups)
     out = []
-    for group, exchange in zip(bucket.groups, bucket.exchanges):
+    for j, (group, exchange) in enumerate(zip(bucket.groups, bucket.exchanges)):
+        if j not in todo:
+            out.append(None)
+            continue
         offsets = bucket.offsets(group)
         out.append(
             muon_lib.muon_polar(

@@ -135,17 +135,33 @@ def _polar(
     block of each matrix (and of each QKV piece), orthogonalised as the
     exchange says.
     """
-    ns = functools.partial(
+    ns = _newton_schulz_in(update.dtype, coefficient_type, num_ns_steps, precision)
+    if exchange is not None:
+        ns = exchange.orthogonalizer(ns)
+    stacks, join = _pieces(update, qkv_split_shapes)
+    return join([ns(x) for x in stacks])
+
+
+def _newton_schulz_in(dtype, coefficient_type, num_ns_steps, precision) -> Callable:
+    """:func:`newton_schulz` with these options, iterating in the storage dtype of ``dtype``."""
+    return functools.partial(
         newton_schulz,
         coefficient_type=coefficient_type,
         num_ns_steps=num_ns_steps,
         precision=precision,
-        dtype=_storage_dtype(update.dtype, precision),
+        dtype=_storage_dtype(dtype, precision),
     )
-    if exchange is not None:
-        ns = exchange.orthogonalizer(ns)
+
+
+def _pieces(update: jax.Array, qkv_split_shapes) -> tuple[list[jax.Array], Callable]:
+    """The stacks Newton–Schulz runs on for ``update`` and the function that joins their results.
+
+    Without a split, ``update`` itself. With one, per distinct row count the QKV
+    pieces of that count stacked on a new leading axis (key and value as one
+    batch: half the small kernels); the join puts each piece's rows back.
+    """
     if qkv_split_shapes is None:
-        return ns(update)
+        return [update], lambda done: done[0]
     *batch, m, n = update.shape
     split = _check_qkv_split(qkv_split_shapes, m)
     groups = m // sum(split)
@@ -155,14 +171,37 @@ def _polar(
         grouped[..., start : start + rows, :].reshape(*batch, groups * rows, n)
         for start, rows in zip(starts, split)
     ]
-    # Pieces of one shape (key and value) are orthogonalised as one batch: half the small kernels.
-    done = [None] * len(split)
-    for rows in dict.fromkeys(split):
-        same = [i for i, r in enumerate(split) if r == rows]
-        out = ns(jnp.stack([pieces[i] for i in same]))
-        for j, i in enumerate(same):
-            done[i] = out[j].reshape(*batch, groups, rows, n)
-    return jnp.concatenate(done, axis=-2).reshape(update.shape)
+    counts = list(dict.fromkeys(split))
+    stacks = [jnp.stack([p for p, r in zip(pieces, split) if r == rows]) for rows in counts]
+
+    def join(done: list[jax.Array]) -> jax.Array:
+        joined = [None] * len(split)
+        for rows, out in zip(counts, done):
+            same = [i for i, r in enumerate(split) if r == rows]
+            for j, i in enumerate(same):
+                joined[i] = out[j].reshape(*batch, groups, rows, n)
+        return jnp.concatenate(joined, axis=-2).reshape(update.shape)
+
+    return stacks, join
+
+
+def polar_pieces(
+    update: jax.Array, *, config: MuonConfig, qkv_split_shapes: Sequence[int] | None = None
+) -> tuple[list[jax.Array], Callable[[list[jax.Array]], jax.Array], Callable]:
+    """:func:`muon_polar`'s Newton–Schulz taken apart, for a caller that batches it with others.
+
+    Returns ``(stacks, join, ns)``: the stacks of matrices Newton–Schulz runs
+    on for ``update`` (:func:`muon_momentum`'s; per QKV piece when split), the
+    function that turns ``ns`` of each stack into :math:`Q`, and ``ns``
+    itself (:func:`newton_schulz` with ``config``'s options), so that
+    ``join([ns(x) for x in stacks])`` is :func:`muon_polar`'s :math:`Q`.
+    """
+    _check_config("polar_pieces", config)
+    stacks, join = _pieces(update, qkv_split_shapes if config.split_qkv else None)
+    ns = _newton_schulz_in(
+        update.dtype, config.coefficient_type, config.num_ns_steps, config.fp32_matmul_prec
+    )
+    return stacks, join, ns
 
 
 def _check_same_matrices(where: str, **arrays: jax.Array) -> None:
@@ -362,10 +401,7 @@ def muon_polar(
     """
     _check_config("muon_polar", config)
     _check_same_matrices("muon_polar", grad=grad, momentum=momentum)
-    beta = config.momentum
-    new = _lerp(momentum, grad, 1.0 - beta)
-    momentum = new if skip is None else jnp.where(skip, momentum, new)
-    update = _lerp(grad, momentum, beta) if config.nesterov else momentum
+    update, momentum = muon_momentum(grad, momentum, config=config, skip=skip)
     split = qkv_split_shapes if config.split_qkv else None
     return _polar(
         update,
@@ -375,6 +411,24 @@ def muon_polar(
         split,
         exchange,
     ), momentum
+
+
+def muon_momentum(
+    grad: jax.Array, momentum: jax.Array, *, config: MuonConfig, skip: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    r""":func:`muon_polar`'s first step: the new momentum and the matrix it orthogonalises.
+
+    .. math::
+
+      M \leftarrow M + (1 - \beta)(G - M), \qquad
+      U = G + \beta (M - G) \text{ if nesterov, else } M
+
+    ``skip`` as in :func:`muon_polar`. Returns ``(U, new_momentum)``.
+    """
+    beta = config.momentum
+    new = _lerp(momentum, grad, 1.0 - beta)
+    momentum = new if skip is None else jnp.where(skip, momentum, new)
+    return (_lerp(grad, momentum, beta) if config.nesterov else momentum), momentum
 
 
 def apply_polar(

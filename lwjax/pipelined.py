@@ -10,6 +10,8 @@ coefficient is below 1. After the norm, :func:`keep_or_redo` keeps them where
 the speculation held and computes them again from the clipped gradients where
 it did not, so the result is the serial step's up to rounding either way.
 Without clipping there is nothing to speculate on and the step is exact.
+Matrices dealt to devices (:mod:`lwjax.joint_directions`) are speculated on
+together, once every layer-wise shard is in.
 
 A failed speculation runs Newton–Schulz twice. So with clipping,
 :func:`update_pipelined` speculates only after a step that needed no Muon
@@ -27,6 +29,8 @@ passes ``speculate`` and compiles each branch as a step of its own.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +38,7 @@ from jax import lax
 
 from lwjax.bucket_update import Directions, bucket_views, clip, muon_directions, update_and_gather
 from lwjax.buffers import check_tree
+from lwjax.joint_directions import joint_directions
 from lwjax.plan import StepPlan
 from lwjax.state import LayerwiseState, speculates
 from lwjax.step import (
@@ -127,25 +132,36 @@ def speculative_update(
         (s.buffer, s.bucket) for s in sorted(plan.schedule.steps, key=lambda s: not s.layer_wise)
     ]
     grad_shards = reduce_scatter(plan, grads, order, reduced=reduced)
-    directions = speculate(plan, state, grad_shards, views)
+    speculation = speculate(plan, state, grad_shards, views)
     # 3. Norms, clip coefficients and the zero count.
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
-    if plan.config.clip_grad and directions.of:
+    if plan.config.clip_grad and speculation.own.of:
         # The speculation kept where it held, else each bucket's directions computed again.
-        directions = keep_or_redo(plan, directions, state, grad_shards, views, stats)
+        directions = keep_or_redo(plan, speculation, state, grad_shards, views, stats)
+    else:
+        directions = speculation.own.merged(speculation.joint)
     # 4-5. Each owned shard updated with its directions, cast, and gathered; 6. unpacked (the
     # last two with gather).
     new = update_and_gather(plan, views, state, grad_shards, stats, directions, gather=gather)
     return *finish(plan, state, params, new, stats), stats
 
 
-def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, views) -> Directions:
-    """Every layer-wise bucket's Muon directions in update order, each as soon as its shard is in.
+class Speculation(NamedTuple):
+    """The speculative directions: each bucket's own slot groups', and the dealt ones'."""
+
+    own: Directions  # Per bucket, its own groups' (None for the dealt ones).
+    joint: Directions | None  # The dealt groups' (:func:`lwjax.joint_directions.joint_directions`).
+
+
+def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, views) -> Speculation:
+    """Every layer-wise bucket's Muon directions in update order, each as soon as its shard is in,
+    then those of the matrices dealt to devices, every bucket's in one exchange.
 
     The chain of barriers keeps XLA from running them in another order; the
-    reduce-scatters of later buckets run meanwhile. The gradients are taken
-    unclipped, which is exact only where the clip coefficients are all 1, and
-    without the finite check (their momenta are not final).
+    reduce-scatters of later buckets run meanwhile (the dealt matrices wait
+    for the last layer-wise one). The gradients are taken unclipped, which is
+    exact only where the clip coefficients are all 1, and without the finite
+    check (their momenta are not final).
     """
     directions, previous = {}, ()
     for s in plan.schedule.steps:
@@ -155,43 +171,58 @@ def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, views) -> Dire
         (moment, grad), _ = lax.optimization_barrier(
             ((state.momenta[i][k], grad_shards[i][k]), previous)
         )
-        directions[i, k] = previous = muon_directions(plan, views[i][k], moment, grad)
-    return Directions(directions, final=False)
+        view = views[i][k]
+        directions[i, k] = previous = muon_directions(
+            plan, view, moment, grad, groups=view.own_groups
+        )
+    layer_wise = [g if b.key.is_layer_wise else None for b, g in zip(plan.buffers, grad_shards)]
+    (momenta, grads), _ = lax.optimization_barrier(((state.momenta, layer_wise), previous))
+    joint = joint_directions(plan, views, momenta, grads)
+    return Speculation(Directions(directions, final=False), joint)
 
 
 def keep_or_redo(
     plan: StepPlan,
-    directions: Directions,
+    speculation: Speculation,
     state: LayerwiseState,
     grad_shards,
     views,
     stats: GradStats,
 ) -> Directions:
-    """The speculative directions where they hold, else each bucket's directions computed again.
+    """The speculative directions where they hold, else computed again; all of them merged.
 
     They hold if no Muon matrix's clip coefficient is below 1 and the
     gradients are finite; otherwise they come again from the clipped
     gradients, with the finite check.
 
     Each bucket's recomputation is the body of its own ``while_loop`` that
-    runs at most once: a loop's carry is updated in place, where a
-    ``lax.cond`` copies what it passes through, and a loop per bucket lets
-    each bucket's update and gather start without waiting for every other
-    bucket's Newton–Schulz. (On GPU each loop reads its predicate on the
-    host; at dp 4 that cost nothing measurable.) A step with non-finite
-    gradients is skipped, but its loops run too: with the finite check they
-    hand back the old momentum, so every momentum that comes out is final and
-    the update selects none.
+    runs at most once, and so is the joint exchange of the dealt matrices: a
+    loop's carry is updated in place, where a ``lax.cond`` copies what it
+    passes through, and a loop per bucket lets each bucket's update and
+    gather start without waiting for every other bucket's Newton–Schulz. (On
+    GPU each loop reads its predicate on the host; at dp 4 that cost nothing
+    measurable.) A step with non-finite gradients is skipped, but its loops
+    run too: with the finite check they hand back the old momentum, so every
+    momentum that comes out is final and the update selects none.
     """
     redo = muon_clipped(plan, stats) | jnp.logical_not(stats.finite)
     out = {}
-    for (i, k), speculative in directions.of.items():
+    for (i, k), speculative in speculation.own.of.items():
 
         def recompute(_, i=i, k=k):
             grad = clip(grad_shards[i][k], stats.groups[i][k], stats.coefs)
+            view = views[i][k]
             return False, muon_directions(
-                plan, views[i][k], state.momenta[i][k], grad, stats.finite
+                plan, view, state.momenta[i][k], grad, stats.finite, view.own_groups
             )
 
         _, out[i, k] = lax.while_loop(lambda carry: carry[0], recompute, (redo, speculative))
-    return Directions(out, final=True)
+    own = Directions(out, final=True)
+    if speculation.joint is None:
+        return own
+
+    def recompute_joint(_):
+        return False, joint_directions(plan, views, state.momenta, grad_shards, stats).of
+
+    _, joint = lax.while_loop(lambda carry: carry[0], recompute_joint, (redo, speculation.joint.of))
+    return own.merged(Directions(joint, final=True))

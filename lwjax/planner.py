@@ -85,7 +85,10 @@ def plan_step(
         **{f.name: getattr(plan, f.name) for f in dataclasses.fields(ParamPlan)}
         | {"buffers": buffers},
         schedule=schedule_buckets(
-            plan, num_ns_steps=muon.num_ns_steps, transpose=transpose, split_qkv=muon.split_qkv
+            dataclasses.replace(plan, buffers=buffers),
+            num_ns_steps=muon.num_ns_steps,
+            transpose=transpose,
+            split_qkv=muon.split_qkv,
         ),
         config=config,
         muon=muon,

@@ -30,7 +30,10 @@ phase 3 sums over that axis too, counting leaves held whole on its first
 device only, and phase 4 orthogonalises split matrices as
 ``MuonConfig.tp_mode`` says (:mod:`lwjax.parallel.exchange`).
 
-Phases 4 and 5 (:mod:`lwjax.bucket_update`) run bucket by bucket in the order of the plan's
+Matrices split over those axes and dealt to devices (``"duplicated"``) get
+their directions first, every bucket's in one exchange
+(:mod:`lwjax.joint_directions`). Phases 4 and 5 (:mod:`lwjax.bucket_update`)
+run bucket by bucket in the order of the plan's
 :class:`~lwjax.schedule.BucketSchedule`, which pairs each gather with a later
 bucket's update so that it hides behind Newton–Schulz. The speculative variant,
 :func:`lwjax.pipelined.update_pipelined`, starts Newton–Schulz before the norm is known.
@@ -60,6 +63,7 @@ from lwjax.bucket_update import (
     weight_decay_at,
 )
 from lwjax.buffers import check_tree, pack, unpack
+from lwjax.joint_directions import joint_directions
 from lwjax.moved import moved_names
 from lwjax.parallel.counted import count_once, counted_masks
 from lwjax.plan import StepPlan
@@ -160,10 +164,12 @@ def update_with_stats(
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over a group's devices.
     stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
+    # 4. The directions of the matrices dealt to devices, every bucket's in one exchange.
+    views = bucket_views(plan, ranks)
+    dealt = joint_directions(plan, views, state.momenta, grad_shards, stats)
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered (with
     # gather), in order.
-    views = bucket_views(plan, ranks)
-    new = update_and_gather(plan, views, state, grad_shards, stats, gather=gather)
+    new = update_and_gather(plan, views, state, grad_shards, stats, dealt, gather=gather)
     # 6. The gathered buckets unpacked into parameters (with gather).
     return *finish(plan, state, params, new, stats), stats
 

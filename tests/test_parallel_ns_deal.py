@@ -23,7 +23,7 @@ from lwjax.muon import MuonConfig
 from lwjax.optimizer import route_params
 from lwjax.parallel.axes import MeshAxes
 from lwjax.parallel.mesh import resolved_layout
-from lwjax.parallel.ns_deal import device_ns_flops
+from lwjax.parallel.ns_deal import device_ns_flops, ns_critical_path
 from lwjax.planner import plan_params, plan_step
 from lwjax.routing import RoutingRules
 
@@ -63,18 +63,22 @@ def _fsdp_plan(params, dp, fsdp, muon=MuonConfig()):
     [(LLAMA_8B, 8, 8), (LLAMA_70B, 8, 8), (LLAMA_70B, 2, 32), (LLAMA_70B, 1, 64)],
     ids=["8B-dp8xfsdp8", "70B-dp8xfsdp8", "70B-dp2xfsdp32", "70B-fsdp64"],
 )
-def test_busiest_device_newton_schulz_is_near_its_share(model, dp, fsdp):
-    """Busiest device <= 1.25 x max(total / devices, largest matrix) by default, and every
-    matrix computed once: the table sums to each matrix's FLOPs, nothing for padding. (0.4.0
-    ran every slot group's width, padding included, on every device: 6.8-12.5x here.)"""
+def test_newton_schulz_critical_path_is_near_its_share(model, dp, fsdp):
+    """The step's Newton–Schulz critical path (each region's busiest device, summed) <= 1.25 x
+    max(total / devices, largest matrix) by default, and every matrix computed once: the
+    per-device table sums to each matrix's FLOPs, nothing for padding. (0.4.0 ran every slot
+    group's width, padding included, on every device: 6.8-12.5x here; dealt bucket by bucket,
+    each bucket waiting for its busiest device, the path was 6.8x, 8.0x, 12.4x and 1.02x.)"""
     params = _llama(**model)
-    table = device_ns_flops(_fsdp_plan(params, dp, fsdp))
+    plan = _fsdp_plan(params, dp, fsdp)
+    table = device_ns_flops(plan)
     assert np.shape(table) == (dp, fsdp)
     matrices = [leaf.shape for leaf in jax.tree.leaves(params) if len(leaf.shape) == 3]
     total = sum(layers * ns_flops((m, n)) for layers, m, n in matrices)
     assert sum(map(sum, table)) == total
     largest = max(ns_flops((m, n)) for _, m, n in matrices)
-    assert max(map(max, table)) <= 1.25 * max(total / (dp * fsdp), largest)
+    assert max(map(max, table)) <= ns_critical_path(plan)
+    assert ns_critical_path(plan) <= 1.25 * max(total / (dp * fsdp), largest)
 
 
 def test_device_ns_flops_counts_what_each_mode_computes():
@@ -82,7 +86,8 @@ def test_device_ns_flops_counts_what_each_mode_computes():
     one) and a whole [16, 16] gate (rank 1's; rank 0 runs a spare zero slot for it).
     ``duplicated`` computes each split matrix once, on the device it is dealt to (rank 0's two
     on its two devices); ``blockwise`` every slot of the group's width on the blocks (rank 1's
-    spare slot too); the gate's group runs on both devices of each rank."""
+    spare slot too); the gate's group runs on both devices of each rank. The critical path
+    adds each region's busiest device."""
     params = {
         "layers/w": jax.ShapeDtypeStruct((3, 64, 64), jnp.float32),
         "gate": jax.ShapeDtypeStruct((16, 16), jnp.float32),
@@ -98,6 +103,9 @@ def test_device_ns_flops_counts_what_each_mode_computes():
     split, gate, block = ns_flops((64, 64)), ns_flops((16, 16)), ns_flops((64, 32))
     assert device_ns_flops(plan("duplicated")) == [[split + gate] * 2, [split + gate, gate]]
     assert device_ns_flops(plan("blockwise")) == [[2 * block + gate] * 2] * 2
+    # Regions: the dealt matrices together (busiest device: one), then the bucket's gate group.
+    assert ns_critical_path(plan("duplicated")) == split + gate
+    assert ns_critical_path(plan("blockwise")) == 2 * block + gate
 
 
 D, FFN = 16, 32
@@ -107,13 +115,16 @@ def _put(tree, specs, mesh):
     return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp):
+@pytest.mark.parametrize("dp, bucket_size", [(1, None), (2, 256)], ids=["dp1", "dp2-4buckets"])
+def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp, bucket_size):
     """fsdp 4 beside dp 1 or 2: stacks of 5 and 3 matrices split over ``fsdp`` (uneven counts
-    per rank and per device) and a whole norm. Two steps equal the unsharded optimizer
-    (the reference). Every device runs only its own matrices: the compiled step switches
-    (``conditional``) between branches of the counts dealt, with no Newton–Schulz on a zero
-    fill (0.4.0 ran ceil(count / 4) matrices on every device, zeros included)."""
+    per rank and per device) and a whole norm, in one bucket or (dp 2) four. Two steps equal
+    the unsharded optimizer (the reference). Every device runs only its own matrices: the
+    compiled step switches (``conditional``) between branches of the counts dealt, with no
+    Newton–Schulz on a zero fill (0.4.0 ran ceil(count / 4) matrices on every device, zeros
+    included). The dealt matrices of all buckets are exchanged together: one ``all_to_all``
+    out and one back per shape of block, however many buckets hold it (with four buckets,
+    bucket by bucket took one pair per slot group: five)."""
     rng = np.random.default_rng(0)
     leaves = {
         "layers/up": ((5, D, FFN), P(None, None, "fsdp")),
@@ -125,7 +136,12 @@ def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp):
     mesh = Mesh(np.array(jax.devices()[: 4 * dp]).reshape(dp, 4), ("dp", "fsdp"))
     muon = MuonConfig(fp32_matmul_prec="highest")
     sharded = _put(params, specs, mesh)
-    opt = lwjax.layerwise_muon(sharded, mesh, param_axes="fsdp", muon=muon, routing=STACKED)
+    layout = LayoutConfig() if bucket_size is None else LayoutConfig(bucket_size=bucket_size)
+    opt = lwjax.layerwise_muon(
+        sharded, mesh, param_axes="fsdp", muon=muon, routing=STACKED, layout=layout
+    )
+    groups = [g for b in opt.plan.buffers for g in b.slot_groups]
+    assert len({g.bucket for g in groups}) == (1 if bucket_size is None else 4)
     counts = {
         sum(d == device for d in row)
         for b in opt.plan.buffers
@@ -156,4 +172,6 @@ def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp):
         np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
     hlo = step.lower(_put(grads, specs, mesh), state, current).compile().as_text()
     switched = set(re.findall(r"= \(f32\[\d+,(\d+),(\d+)\]\S*\) conditional\(", hlo))
-    assert switched == {("32", "16"), ("16", "32")}  # each group's whole matrices, switched
+    assert switched == {("32", "16"), ("16", "32")}  # each shape's whole matrices, switched
+    assert len({g.shape for g in groups}) == 2
+    assert len(re.findall(r" all-to-all\(", hlo)) == 2 * 2

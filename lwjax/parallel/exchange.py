@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -119,34 +119,49 @@ class SplitExchange:
 def _assembled(
     ns, split: TensorSplit, block: jax.Array, *, deal: SlotDeal | None = None
 ) -> jax.Array:
-    """``ns`` of the whole matrices, each computed once; this device's block of each back.
-
-    The ``duplicated`` mode's update, without its duplicated work: each of the
-    rank's matrices (the last leading axis of ``block``; axes before it, e.g.
-    QKV pieces, travel with their matrix) is assembled on the device
-    ``deal.devices[rank][j]`` of the ``t`` devices the blocks are spread over,
-    from every device's block (one ``all_to_all`` of equal chunks: the most
-    matrices any device assembles, zero-filled), orthogonalised there whole, and
-    its blocks are sent back (another). Each device moves ``(t-1)/t`` of its
-    chunks each way, where an ``all_gather`` moves ``t-1`` times them
-    (Megatron's proposed ``layer_sharded`` mode does the same), and runs
-    Newton–Schulz only on the matrices dealt to it: one branch of a
-    ``lax.switch`` per count of matrices a device assembles, so the zero fill
-    and the spare slots are never computed. Spare slots come back zero.
-    """
+    """``ns`` of the whole matrices of one stack of blocks (:func:`assembled_together`)."""
     if deal is None:
         raise ValueError(
             "tp_mode='duplicated': the split exchange needs the plan's deal of matrices to "
             "devices (SlotGroup.ns_devices, set by lwjax.planner.plan_step)."
         )
+    return assembled_together(ns, split, [block], [deal])[0]
+
+
+def assembled_together(
+    ns, split: TensorSplit, blocks: Sequence[jax.Array], deals: Sequence[SlotDeal]
+) -> list[jax.Array]:
+    """``ns`` of the whole matrices of several stacks of blocks, each computed once; this
+    device's block of each back.
+
+    The ``duplicated`` mode's update, without its duplicated work. Every stack
+    holds blocks ``[..., r, c]`` of one shape split as ``split`` says; each
+    matrix (the last leading axis of a stack; axes before it, e.g. QKV pieces,
+    travel with their matrix) of rank ``rank`` is assembled on device
+    ``deal.devices[rank][j]`` of the ``t`` devices the blocks are spread over,
+    from every device's block (one ``all_to_all`` of equal chunks for all the
+    stacks: the most matrices any device assembles, zero-filled),
+    orthogonalised there whole, and its blocks are sent back (another). Each
+    device moves ``(t-1)/t`` of its chunks each way, where an ``all_gather``
+    moves ``t-1`` times them (Megatron's proposed ``layer_sharded`` mode does
+    the same), and runs Newton–Schulz only on the matrices dealt to it: one
+    branch of a ``lax.switch`` per count of matrices a device assembles, so the
+    zero fill and the spare slots are never computed. Spare slots come back zero.
+    """
+    rank_axes = deals[0].rank_axes
+    if any(d.rank_axes != rank_axes for d in deals):
+        raise ValueError(f"stacks dealt over different rank axes: {[d.rank_axes for d in deals]}.")
     grid_rows = [size for _, size in split.rows]
     grid_cols = [size for _, size in split.cols]
     k, t = len(grid_rows), math.prod(grid_rows) * math.prod(grid_cols)
-    *lead, r, c = block.shape
-    tables = _deal_tables(deal.devices, t, math.prod(lead[:-1]), lead[-1])
-    rank = lax.axis_index(deal.rank_axes) if len(deal.devices) > 1 else 0
+    r, c = blocks[0].shape[-2:]
+    tables = _deal_tables(
+        [(d.devices, math.prod(b.shape[:-3]), b.shape[-3]) for b, d in zip(blocks, deals)], t
+    )
+    rank = lax.axis_index(rank_axes) if len(deals[0].devices) > 1 else 0
     per = tables.per
-    flat = block.reshape(-1, r, c)
+    flat = [b.reshape(-1, r, c) for b in blocks]
+    flat = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
     to_send = jnp.take(flat, rank_row(tables.send, rank), axis=0, mode="fill", fill_value=0)
     # received[s]: the block at grid position s (row-major) of the matrices this device assembles.
     received = lax.all_to_all(to_send.reshape(t, per, r, c), split.names, 0, 0)
@@ -158,11 +173,12 @@ def _assembled(
     )
     branch = jnp.asarray(rank_row(tables.branch, rank))[lax.axis_index(split.names)]
     done = _dealt_only(ns, whole, tables.counts, branch).reshape(per, *grid_rows, r, *grid_cols, c)
-    blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
+    out_blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
     # back[g]: this device's block of the matrices device g assembled.
-    back = lax.all_to_all(blocks, split.names, 0, 0).reshape(t * per, r, c)
+    back = lax.all_to_all(out_blocks, split.names, 0, 0).reshape(t * per, r, c)
     out = jnp.take(back, rank_row(tables.receive, rank), axis=0, mode="fill", fill_value=0)
-    return out.reshape(block.shape)
+    starts = np.cumsum([0] + [math.prod(b.shape[:-2]) for b in blocks])
+    return [out[a:b].reshape(x.shape) for a, b, x in zip(starts, starts[1:], blocks)]
 
 
 class _DealTables(NamedTuple):
@@ -175,27 +191,35 @@ class _DealTables(NamedTuple):
     counts: tuple[int, ...]  # the distinct numbers of real items a device assembles
 
 
-def _deal_tables(devices, t: int, pieces: int, width: int) -> _DealTables:
-    """The index tables that move a stack ``[pieces, width, ...]`` (item ``q * width + j``) as
-    ``devices`` deals its matrices: device ``d``'s chunk holds its matrices in slot order, each
-    with its ``pieces`` consecutively, real ones first."""
-    if any(len(row) > width for row in devices):
-        raise ValueError(f"deal of {max(map(len, devices))} matrices for a stack of {width}.")
-    mine = [
-        [[j for j, d in enumerate(row) if d == device] for device in range(t)] for row in devices
-    ]
-    per = pieces * max(len(slots) for row in mine for slots in row)
-    items = pieces * width
-    send = np.full((len(devices), t * per), items, np.int32)
-    receive = np.full((len(devices), items), t * per, np.int32)
+def _deal_tables(stacks, t: int) -> _DealTables:
+    """The index tables that move stacks ``[pieces, width, ...]`` as their deals say.
+
+    ``stacks``: per stack ``(devices, pieces, width)``, ``devices[r][j]`` the
+    device of rank ``r``'s matrix ``j``. Item ``q * width + j`` of a stack,
+    after the items of the stacks before it, is piece ``q`` of matrix ``j``;
+    device ``d``'s chunk holds its matrices stack by stack in slot order, each
+    with its pieces consecutively, real ones first.
+    """
+    for devices, _, width in stacks:
+        if any(len(row) > width for row in devices):
+            raise ValueError(f"deal of {max(map(len, devices))} matrices for a stack of {width}.")
+    ranks = len(stacks[0][0])
+    starts = np.cumsum([0] + [pieces * width for _, pieces, width in stacks])
+    # mine[r][d]: the items device d assembles for rank r, in chunk order.
+    mine = [[[] for _ in range(t)] for _ in range(ranks)]
+    for (devices, pieces, width), start in zip(stacks, starts):
+        for r, row in enumerate(devices):
+            for j, device in enumerate(row):
+                mine[r][device] += [start + q * width + j for q in range(pieces)]
+    per = max(len(items) for row in mine for items in row)
+    send = np.full((ranks, t * per), starts[-1], np.int32)
+    receive = np.full((ranks, starts[-1]), t * per, np.int32)
     for r, row in enumerate(mine):
-        for device, slots in enumerate(row):
-            for p, j in enumerate(slots):
-                for q in range(pieces):
-                    position = device * per + p * pieces + q
-                    send[r, position] = q * width + j
-                    receive[r, q * width + j] = position
-    sizes = [[pieces * len(slots) for slots in row] for row in mine]
+        for device, items in enumerate(row):
+            for p, item in enumerate(items):
+                send[r, device * per + p] = item
+                receive[r, item] = device * per + p
+    sizes = [[len(items) for items in row] for row in mine]
     counts = tuple(sorted({n for row in sizes for n in row}))
     branch = np.asarray([[counts.index(n) for n in row] for row in sizes], np.int32)
     return _DealTables(per, send, receive, branch, counts)

@@ -14,11 +14,11 @@ only on the matrices dealt to it, never on padding.
 
 :func:`device_ns_flops` counts the Newton–Schulz FLOPs each device computes
 in one step of a plan, as the step computes them (padding included where it is
-computed): the table ``lwjax plan`` prints and the tests hold to the ideal.
-It sums a device's work over the step; the step updates buckets one after
-another, each slot group between its two ``all_to_all``\ s, so a step's
-Newton–Schulz time follows the busiest device of each bucket, which the deal
-balances only as far as a bucket holds several matrices per rank. Pure Python.
+computed): the table ``lwjax plan`` prints. The step runs Newton–Schulz in
+regions, each done when its busiest device is: the dealt matrices of every
+bucket in one joint exchange (:mod:`lwjax.joint_directions`), then each
+bucket's other slot groups in its update. :func:`ns_critical_path` sums the
+busiest device of each region, the figure the deal is held to. Pure Python.
 """
 
 from __future__ import annotations
@@ -105,6 +105,36 @@ def deal_newton_schulz(
     )
 
 
+def is_dealt(group: SlotGroup) -> bool:
+    """Whether a slot group's matrices are dealt to devices (split, ``tp_mode="duplicated"``):
+    its Newton–Schulz runs in the step's joint exchange, before any bucket's update."""
+    return bool(group.ns_devices)
+
+
+def region_ns_flops(plan) -> dict:
+    """Per Newton–Schulz region of a step of ``plan``, the FLOPs each device computes in it.
+
+    Keys: ``"joint"`` for the dealt matrices of every bucket (:func:`is_dealt`),
+    ``(buffer, bucket)`` for each layer-wise bucket's other slot groups; values
+    are tables as :func:`device_ns_flops` returns.
+    """
+    axes = plan.axes
+    coords = [_unravel(c, axes.tp_sizes) for c in range(axes.tp_size)]
+    tables: dict = {}
+    for i, buffer in enumerate(plan.buffers):
+        if not buffer.key.is_layer_wise:
+            continue
+        expert = axes.of(buffer.key) != axes.group
+        for group in buffer.slot_groups:
+            key = "joint" if is_dealt(group) else (i, group.bucket)
+            table = tables.setdefault(key, [[0] * axes.tp_size for _ in range(axes.group_size)])
+            for d, row in enumerate(table):
+                rank = d // axes.ep_size if expert else d
+                for c, at in enumerate(coords):
+                    row[c] += _group_work(plan, group, rank, at)
+    return tables
+
+
 def device_ns_flops(plan) -> list[list[int]]:
     """Newton–Schulz FLOPs per device in one step of ``plan`` (a :class:`~lwjax.plan.StepPlan`),
     as the step computes them.
@@ -123,17 +153,22 @@ def device_ns_flops(plan) -> list[list[int]]:
     """
     axes = plan.axes
     table = [[0] * axes.tp_size for _ in range(axes.group_size)]
-    coords = [_unravel(c, axes.tp_sizes) for c in range(axes.tp_size)]
-    for buffer in plan.buffers:
-        if not buffer.key.is_layer_wise:
-            continue
-        expert = axes.of(buffer.key) != axes.group
-        for group in buffer.slot_groups:
-            for d, row in enumerate(table):
-                rank = d // axes.ep_size if expert else d
-                for c, at in enumerate(coords):
-                    row[c] += _group_work(plan, group, rank, at)
+    for region in region_ns_flops(plan).values():
+        for row, add in zip(table, region):
+            row[:] = [a + b for a, b in zip(row, add)]
     return table
+
+
+def ns_critical_path(plan) -> int:
+    """The Newton–Schulz FLOPs on a step's critical path: each region's busiest device's
+    (:func:`region_ns_flops`), summed.
+
+    A region ends when its busiest device is done (the exchange back, or the
+    bucket's gather, waits for it), so this, not the busiest device's total
+    over the step, is what the deal must keep near ``max(total / devices,
+    largest matrix)``.
+    """
+    return sum(max(map(max, table)) for table in region_ns_flops(plan).values())
 
 
 def _group_work(plan, group: SlotGroup, rank: int, at: tuple[int, ...]) -> int:
