@@ -125,3 +125,19 @@ def test_cli_prints_a_plan(capsys):
 def test_cli_refuses_bad_input(argv, message, capsys):
     assert main(["plan", *argv.split()]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_remat_is_on_with_fsdp_and_activations_follow_it():
+    """By default the fsdp step recomputes its layers (each layer gathered twice) and the dp
+    step does not; activations under remat keep one layer's inputs per layer instead of
+    every layer's intermediates."""
+    model = preset_model("small", LAYERS)
+    runs = {
+        remat: plan_run(model, PlanMesh(fsdp=8), PlanOptions(remat=remat))
+        for remat in (None, True, False)
+    }
+    gathers = {k: r.collectives[0].executions for k, r in runs.items()}
+    assert gathers[None] == gathers[True] == 2 * gathers[False] - 3  # embedding, norm, output
+    assert runs[None].memory == runs[True].memory
+    assert runs[True].memory["activations"] < runs[False].memory["activations"]
+    assert not PlanOptions().remat_on(PlanMesh(dp=8))

@@ -15,7 +15,6 @@ the optimizer's step alone (its ``local_update`` on local gradients).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -98,8 +97,8 @@ def _training_step(request: CompileRequest):
     from jax.sharding import PartitionSpec as P
 
     from lwjax.optimizer import state_shardings
+    from lwjax.parallel.gather import gather_params
     from lwjax.tools.bench.config import TrainBenchConfig
-    from lwjax.tools.bench.fsdp import fsdp_gather
     from lwjax.tools.bench.train_steps import lwjax_optimizer, lwjax_step
     from lwjax.tools.bench.workloads import workload_optimizer
     from lwjax.train import jit_shard_map
@@ -119,7 +118,7 @@ def _training_step(request: CompileRequest):
     cfg = TrainBenchConfig(
         workload=model.workload,
         layers=model.layers,
-        remat=options.remat,
+        remat=options.remat_on(mesh_shape),
         seq_len=options.seq_len,
         micro_batch=options.micro_batch,
         grad_reduce_in_fp32=options.grad_reduce_in_fp32,
@@ -160,8 +159,9 @@ def _training_step(request: CompileRequest):
         )
         return step, (grads, state), OPTIMIZER_STEP, None
     data = ("dp", "fsdp") if cfg.fsdp else "dp"
-    gather = functools.partial(fsdp_gather, reduce_in_fp32=cfg.grad_reduce_in_fp32)
-    step = lwjax_step(cfg.loss(gather=gather if cfg.fsdp else None), optimizer, fsdp=cfg.fsdp)
+    step = lwjax_step(
+        cfg.loss(gather=gather_params if cfg.fsdp else None), optimizer, fsdp=cfg.fsdp
+    )
     rows = mesh_shape.data_devices * cfg.micro_batch
     batch = jax.ShapeDtypeStruct(
         (rows, cfg.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(data))
