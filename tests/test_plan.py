@@ -141,3 +141,21 @@ def test_remat_is_on_with_fsdp_and_activations_follow_it():
     assert runs[None].memory == runs[True].memory
     assert runs[True].memory["activations"] < runs[False].memory["activations"]
     assert not PlanOptions().remat_on(PlanMesh(dp=8))
+
+
+@pytest.mark.parametrize(
+    "sizes", [dict(fsdp=8), dict(dp=2, fsdp=4)], ids=["fsdp 8", "dp 2 x fsdp 4"]
+)
+def test_compiled_fsdp_step_keeps_no_gathered_layer_per_layer(sizes):
+    """XLA's temporaries for the compiled fsdp step grow by less than one gathered layer per
+    layer: the step (remat, on by default) gathers each layer again in the backward instead
+    of keeping every layer whole (without remat: about one gathered layer per layer, widened
+    to fp32 by the CPU backend)."""
+    mesh, options = PlanMesh(**sizes), PlanOptions(seq_len=16)
+    temps = {
+        layers: compiled_figures(CompileRequest("small", layers, mesh, options))["temp_bytes"]
+        for layers in (2, 4)
+    }
+    per_layer = (temps[4] - temps[2]) / 2
+    gathered = plan_run(preset_model("small", 4), mesh, options).memory["gathered layer"]
+    assert 0 < per_layer < gathered, (per_layer, gathered)
