@@ -150,12 +150,17 @@ def test_compiled_fsdp_step_keeps_no_gathered_layer_per_layer(sizes):
     """XLA's temporaries for the compiled fsdp step grow by less than one gathered layer per
     layer: the step (remat, on by default) gathers each layer again in the backward instead
     of keeping every layer whole (without remat: about one gathered layer per layer, widened
-    to fp32 by the CPU backend)."""
+    to fp32 by the CPU backend); of that growth, ``widened_bytes`` finds the CPU's fp32
+    copies of the layer's weight blocks."""
     mesh, options = PlanMesh(**sizes), PlanOptions(seq_len=16)
-    temps = {
-        layers: compiled_figures(CompileRequest("small", layers, mesh, options))["temp_bytes"]
+    compiled = {
+        layers: compiled_figures(CompileRequest("small", layers, mesh, options))
         for layers in (2, 4)
     }
-    per_layer = (temps[4] - temps[2]) / 2
-    gathered = plan_run(preset_model("small", 4), mesh, options).memory["gathered layer"]
-    assert 0 < per_layer < gathered, (per_layer, gathered)
+    plans = {layers: plan_run(preset_model("small", layers), mesh, options) for layers in (2, 4)}
+    per_layer = (compiled[4]["temp_bytes"] - compiled[2]["temp_bytes"]) / 2
+    assert 0 < per_layer < plans[4].memory["gathered layer"], per_layer
+    # Of them, the CPU backend's fp32 copy of each layer's bf16 weight blocks (2 x their bytes).
+    widened = (compiled[4]["widened_bytes"] - compiled[2]["widened_bytes"]) / 2
+    params = (plans[4].memory["parameters"] - plans[2].memory["parameters"]) / 2
+    assert widened == 2 * params

@@ -52,12 +52,14 @@ def compiled_figures(request: CompileRequest) -> dict:
       ``step`` (which step was compiled), ``held_bytes`` (parameters and optimizer state
       per device: the training step's arguments less its batch, or what the optimizer
       step returns), XLA's ``argument_bytes``, ``output_bytes``, ``alias_bytes``
-      (donated) and ``temp_bytes`` per device, and ``collectives``
+      (donated) and ``temp_bytes`` per device, ``widened_bytes`` (of the temporaries, the
+      CPU backend's fp32 copies of bf16 weights, which a GPU does not make:
+      :func:`~lwjax.tools.bench.compiled.widened_arguments`), and ``collectives``
       (:func:`~lwjax.tools.bench.compiled.step_collectives`).
     """
     import jax
 
-    from lwjax.tools.bench.compiled import step_collectives
+    from lwjax.tools.bench.compiled import step_collectives, widened_arguments
 
     if request.mesh.replica > 1:
         raise ValueError(
@@ -70,7 +72,7 @@ def compiled_figures(request: CompileRequest) -> dict:
         )
     step, args, name, batch_bytes = _training_step(request)
     compiled = step.lower(*args).compile()
-    stats = compiled.memory_analysis()
+    stats, text = compiled.memory_analysis(), compiled.as_text()
     if batch_bytes is None:  # the optimizer step returns the parameters and the state
         held = stats.output_size_in_bytes
     else:  # the training step takes them, with the batch
@@ -82,7 +84,8 @@ def compiled_figures(request: CompileRequest) -> dict:
         output_bytes=int(stats.output_size_in_bytes),
         alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes),
-        collectives={k: list(v) for k, v in step_collectives(compiled.as_text()).items()},
+        widened_bytes=widened_arguments(text),
+        collectives={k: list(v) for k, v in step_collectives(text).items()},
     )
 
 

@@ -74,6 +74,16 @@ def print_plan(run: RunPlan, compiled: dict | None = None) -> None:
             f"parameters, state, temporaries: {(held + temp) / run.total_bytes:.2f}x the total",
             style="cyan",
         )
+        widened = compiled.get("widened_bytes", 0)
+        if widened:
+            step = held + temp - widened
+            mem.add_row(
+                "XLA: step less CPU copies",
+                nbytes(step),
+                f"less {nbytes(widened)} of fp32 weight copies the CPU backend carries through "
+                f"the scan (a GPU makes none): {step / run.total_bytes:.2f}x the total",
+                style="cyan",
+            )
     out.print(mem)
     comm = table(
         "Collectives per step, per device",
