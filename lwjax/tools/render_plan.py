@@ -51,7 +51,7 @@ def print_plan(run: RunPlan, compiled: dict | None = None) -> None:
         "masters": "fp32, its bucket shards with padding",
         "momenta": "fp32, Muon buckets",
         "adam moments": "fp32 m and v, elementwise buckets",
-        "gathered layer": "a layer gathered whole over fsdp (one at a time with --remat)",
+        "gathered layer": "a layer gathered whole over fsdp (one at a time: remat)",
         "activations": "kept for the backward: layer inputs, one layer, fp32 logits",
     }
     for key, value in run.memory.items():
