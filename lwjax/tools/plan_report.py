@@ -243,13 +243,20 @@ def collectives(
     return tuple(_with_hosts(c, mesh) for c in rows if c.executions)
 
 
+EMBEDDING = "embedding.word_embeddings.weight"  # a GPT's table, looked up by rows
+
+
 def _fsdp_collectives(model: PlanModel, mesh: PlanMesh, options: PlanOptions) -> list[Collective]:
     """Each leaf gathered over ``fsdp`` in the forward (per-layer leaves once per layer, twice
-    with ``remat``) and its gradient reduce-scattered in the backward."""
+    with ``remat``) and its gradient reduce-scattered in the backward; a GPT's untied
+    embedding instead looked up by rows (:func:`lwjax.parallel.gather.gather_rows`): the
+    token ids all-gathered, each token's row sent whole to its device (an all-to-all, in
+    the reduction dtype) and its gradient sent back."""
     gathers = executions = scatters = scattered = size = 0
+    by_rows = model.gpt is not None and not model.gpt.tied_embeddings
     for key, (numel, whole, itemsize) in _local(model, mesh).items():
-        if whole == numel:
-            continue  # not split over fsdp
+        if whole == numel or (by_rows and key == EMBEDDING):
+            continue  # not split over fsdp, or looked up by rows
         in_layer = model.layer_prefix in key
         times = model.layers if in_layer and model.stacked else 1
         again = 2 if options.remat_on(mesh) and in_layer else 1
@@ -260,12 +267,21 @@ def _fsdp_collectives(model: PlanModel, mesh: PlanMesh, options: PlanOptions) ->
         size = itemsize
     grad_size = 4 if options.grad_reduce_in_fp32 else size
     axes = ("fsdp",)
-    return [
+    rows = [
         Collective("fsdp gather (forward)", "all-gather", axes, mesh.fsdp, executions, gathers,
                    size, "model"),
         Collective("fsdp gradient reduce-scatter (backward)", "reduce-scatter", axes, mesh.fsdp,
                    scatters, scattered, grad_size, "model"),
     ]  # fmt: skip
+    if by_rows:
+        tokens = options.micro_batch * options.seq_len
+        rows += [
+            Collective("embedding token ids", "all-gather", axes, mesh.fsdp, 1,
+                       mesh.fsdp * tokens, 4, "model"),
+            Collective("embedding rows (forward, backward)", "all-to-all", axes, mesh.fsdp, 2,
+                       2 * tokens * model.gpt.hidden_size, grad_size, "model"),
+        ]  # fmt: skip
+    return rows
 
 
 def _optimizer_collectives(plan: StepPlan, mesh: PlanMesh, options) -> list[Collective]:
