@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -254,9 +255,30 @@ def gather_rows(table, ids):
         return gather.gather(table)[ids]
     axis = split[1][0]
     everyone = lax.all_gather(ids, axis, axis=0, tiled=True)
-    columns = table.astype(gather.reduce_dtype or table.dtype)[everyone]
-    rows = lax.all_to_all(columns, axis, 0, columns.ndim - 1, tiled=True)
-    return rows.astype(table.dtype)
+    return _rows(table, everyone, axis, gather.reduce_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rows(table, everyone, axis, reduce_dtype):
+    """Each token's row of ``table``'s columns, sent to the device whose token it is."""
+    return lax.all_to_all(table[everyone], axis, 0, everyone.ndim, tiled=True)
+
+
+def _rows_forward(table, everyone, axis, reduce_dtype):
+    return _rows(table, everyone, axis, reduce_dtype), (everyone, table)
+
+
+def _rows_backward(axis, reduce_dtype, residual, g):
+    """Each token's gradient sent back to the devices holding its columns and added into
+    the block in ``reduce_dtype`` (a copy of the block's size, never of the table)."""
+    everyone, table = residual
+    g = g.astype(reduce_dtype or g.dtype)
+    columns = lax.all_to_all(g, axis, everyone.ndim, 0, tiled=True)
+    block = jnp.zeros(table.shape, columns.dtype).at[everyone].add(columns)
+    return block.astype(table.dtype), None
+
+
+_rows.defvjp(_rows_forward, _rows_backward)
 
 
 def _names(entry) -> tuple[str, ...]:
