@@ -1,5 +1,6 @@
 """``lwjax plan``: its figures against XLA's compiled step, its host split, its errors."""
 
+import functools
 import json
 import math
 
@@ -125,3 +126,67 @@ def test_cli_prints_a_plan(capsys):
 def test_cli_refuses_bad_input(argv, message, capsys):
     assert main(["plan", *argv.split()]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_remat_is_on_with_fsdp_and_activations_follow_it():
+    """By default the fsdp step recomputes its layers (each layer gathered twice) and the dp
+    step does not; activations under remat keep one layer's inputs per layer instead of
+    every layer's intermediates."""
+    model = preset_model("small", LAYERS)
+    runs = {
+        remat: plan_run(model, PlanMesh(fsdp=8), PlanOptions(remat=remat))
+        for remat in (None, True, False)
+    }
+    gathers = {k: r.collectives[0].executions for k, r in runs.items()}
+    assert gathers[None] == gathers[True] == 2 * gathers[False] - 2  # final norm, output layer
+    assert runs[None].memory == runs[True].memory
+    assert runs[True].memory["activations"] < runs[False].memory["activations"]
+    assert not PlanOptions().remat_on(PlanMesh(dp=8))
+
+
+@functools.cache
+def _compiled_small(layers: int, **sizes) -> dict:
+    """The small preset's step compiled at ``layers`` on a mesh of ``sizes`` (16 tokens)."""
+    request = CompileRequest("small", layers, PlanMesh(**sizes), PlanOptions(seq_len=16))
+    return compiled_figures(request)
+
+
+@pytest.mark.parametrize(
+    "sizes", [dict(fsdp=8), dict(dp=2, fsdp=4)], ids=["fsdp 8", "dp 2 x fsdp 4"]
+)
+def test_compiled_fsdp_step_never_gathers_the_embedding_table(sizes):
+    """The fsdp step looks the embedding up by rows (lwjax.parallel.gather.gather_rows): XLA's
+    all-gathers and reduce-scatters hold the plan's elements, which count every parameter
+    but the table (each layer twice: remat)."""
+    model = preset_model("small", 2)
+    run = plan_run(model, PlanMesh(**sizes), PlanOptions(seq_len=16))
+    compiled = _compiled_small(2, **sizes)
+    planned = compared_elements(run, compiled)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert compiled["collectives"][kind][1] == planned[kind], kind
+    shapes = model.shapes
+    table = math.prod(shapes["embedding.word_embeddings.weight"])
+    layers = sum(math.prod(s) for k, s in shapes.items() if k.startswith("decoder.layers."))
+    rest = sum(math.prod(s) for s in shapes.values()) - table - layers
+    gathered = next(c.elements for c in run.collectives if c.name == "fsdp gather (forward)")
+    assert gathered == 2 * layers + rest
+
+
+@pytest.mark.parametrize(
+    "sizes", [dict(fsdp=8), dict(dp=2, fsdp=4)], ids=["fsdp 8", "dp 2 x fsdp 4"]
+)
+def test_compiled_fsdp_step_keeps_no_gathered_layer_per_layer(sizes):
+    """XLA's temporaries for the compiled fsdp step grow by less than one gathered layer per
+    layer: the step (remat, on by default) gathers each layer again in the backward instead
+    of keeping every layer whole (without remat: about one gathered layer per layer, widened
+    to fp32 by the CPU backend); of that growth, ``widened_bytes`` finds the CPU's fp32
+    copies of the layer's weight blocks."""
+    mesh, options = PlanMesh(**sizes), PlanOptions(seq_len=16)
+    compiled = {layers: _compiled_small(layers, **sizes) for layers in (2, 4)}
+    plans = {layers: plan_run(preset_model("small", layers), mesh, options) for layers in (2, 4)}
+    per_layer = (compiled[4]["temp_bytes"] - compiled[2]["temp_bytes"]) / 2
+    assert 0 < per_layer < plans[4].memory["gathered layer"], per_layer
+    # Of them, the CPU backend's fp32 copy of each layer's bf16 weight blocks (2 x their bytes).
+    widened = (compiled[4]["widened_bytes"] - compiled[2]["widened_bytes"]) / 2
+    params = (plans[4].memory["parameters"] - plans[2].memory["parameters"]) / 2
+    assert widened == 2 * params

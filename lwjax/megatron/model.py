@@ -42,6 +42,7 @@ from lwjax.megatron.megatron_numerics import (
     round_to_dtype,
     rounded_matmul,
 )
+from lwjax.parallel.gather import gather_params, gather_rows
 
 INIT_STD = 0.02  # Megatron's --init-method-std
 ATTENTIONS = ("auto", "cudnn", "xla")
@@ -246,7 +247,9 @@ def gpt_logits(
         (``"lwjax"`` numerics only). Fully sharded data parallelism passes an
         all-gather of each device's blocks inside ``shard_map``: one layer is
         then whole at a time, and its transpose reduce-scatters the layer's
-        gradient in the backward scan.
+        gradient in the backward scan. With :func:`lwjax.gather_params` itself,
+        an untied embedding is not gathered: its rows are looked up from the
+        blocks (:func:`lwjax.parallel.gather.gather_rows`).
 
     Raises:
       ValueError: an unknown ``attention`` or ``numerics``; with Megatron's
@@ -264,10 +267,22 @@ def gpt_logits(
     gather = gather or (lambda tree: tree)
     params = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), params)
     layers = params["decoder"]["layers"]  # gathered one at a time, in the scan or loop
-    params = gather({**params, "decoder": {**params["decoder"], "layers": None}})
+    # With gather_params, an untied embedding is looked up from its blocks, never whole.
+    by_rows = gather is gather_params and not config.tied_embeddings
+    table = params["embedding"]["word_embeddings"]["weight"]
+    params = gather(
+        {
+            **params,
+            "embedding": {"word_embeddings": None} if by_rows else params["embedding"],
+            "decoder": {**params["decoder"], "layers": None},
+        }
+    )
     cos, sin = rope_tables(tokens.shape[1], config.head_dim, config.rotary_base)
-    embedding = params["embedding"]["word_embeddings"]["weight"]
-    x = embedding[tokens]
+    if by_rows:
+        x = gather_rows(table, tokens)
+    else:
+        embedding = params["embedding"]["word_embeddings"]["weight"]
+        x = embedding[tokens]
 
     def body(x, p):
         return _layer(x, gather(p), config, cos, sin, implementation), None

@@ -7,7 +7,9 @@ a tree of them where it needs them whole: once on each scanned layer's
 parameters inside the scan's body (inside ``jax.checkpoint`` with
 rematerialisation, so the backward gathers the layer again instead of keeping
 it), and once on the parameters outside the scan. One layer is then whole at a
-time. The gather's transpose reduce-scatters each gradient in the backward:
+time. (An embedding table split on its width axis need not be gathered at all:
+:func:`gather_rows` looks up each device's columns of the group's tokens.)
+The gather's transpose reduce-scatters each gradient in the backward:
 device :math:`d` of the :math:`n` devices of the axis receives
 
 .. math:: \bar g_d = \sum_{e=1}^{n} g_e[\text{block } d],
@@ -38,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -220,6 +223,62 @@ def gather_params(tree, specs=None):
             )
         gather = ParamGather((), manual)
     return gather.gather(tree, specs)
+
+
+def gather_rows(table, ids):
+    r"""``gather_params(table)[ids]`` without gathering ``table``: an embedding lookup inside
+    the loss of a step that splits the table over an FSDP axis on its last (width) axis.
+
+    Device :math:`e` of the :math:`n` devices of the axis holds columns :math:`C_e` of
+    the table. The ids are all-gathered over the axis (:math:`n` times the device's
+    integers), each device looks up its columns of every device's tokens, and an
+    all-to-all hands device :math:`d` its own tokens' rows, whole:
+
+    .. math:: x_d[t] = \big(T[\mathrm{ids}_d[t], C_1], \ldots, T[\mathrm{ids}_d[t], C_n]\big).
+
+    Its transpose sends each token's gradient back to the devices that hold its columns,
+    each of which adds them into its block in the step's reduction dtype: the table and
+    its gradient never exist whole (at Llama-3-70B on fsdp 8, 2.1 GB of table and 4.2 GB
+    of fp32 gradient per device), and the bytes moved are the tokens' rows, not the
+    table's. The values are those of ``gather_params(table)[ids]``; the gradient is the
+    same sum, added in the reduction dtype in another order.
+
+    Where :func:`gather_params` would return ``table`` as it is (outside a step, no FSDP
+    axes, a table no FSDP axis splits) this is ``table[ids]``; a table split otherwise (on
+    its rows, or over several axes) is gathered with :func:`gather_params` first.
+    """
+    gather = _ACTIVE.get()
+    if gather is None or not gather.axes:
+        return gather_params(table)[ids]
+    split = gather.split_of(table.shape)
+    if len(split) != 2 or split[0] or len(split[1]) != 1:
+        return gather.gather(table)[ids]
+    axis = split[1][0]
+    everyone = lax.all_gather(ids, axis, axis=0, tiled=True)
+    return _rows(table, everyone, axis, gather.reduce_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rows(table, everyone, axis, reduce_dtype):
+    """Each token's row of ``table``'s columns, sent to the device whose token it is."""
+    return lax.all_to_all(table[everyone], axis, 0, everyone.ndim, tiled=True)
+
+
+def _rows_forward(table, everyone, axis, reduce_dtype):
+    return _rows(table, everyone, axis, reduce_dtype), (everyone, table)
+
+
+def _rows_backward(axis, reduce_dtype, residual, g):
+    """Each token's gradient sent back to the devices holding its columns and added into
+    the block in ``reduce_dtype`` (a copy of the block's size, never of the table)."""
+    everyone, table = residual
+    g = g.astype(reduce_dtype or g.dtype)
+    columns = lax.all_to_all(g, axis, everyone.ndim, 0, tiled=True)
+    block = jnp.zeros(table.shape, columns.dtype).at[everyone].add(columns)
+    return block.astype(table.dtype), None
+
+
+_rows.defvjp(_rows_forward, _rows_backward)
 
 
 def _names(entry) -> tuple[str, ...]:

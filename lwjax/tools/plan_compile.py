@@ -15,7 +15,6 @@ the optimizer's step alone (its ``local_update`` on local gradients).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -53,12 +52,14 @@ def compiled_figures(request: CompileRequest) -> dict:
       ``step`` (which step was compiled), ``held_bytes`` (parameters and optimizer state
       per device: the training step's arguments less its batch, or what the optimizer
       step returns), XLA's ``argument_bytes``, ``output_bytes``, ``alias_bytes``
-      (donated) and ``temp_bytes`` per device, and ``collectives``
+      (donated) and ``temp_bytes`` per device, ``widened_bytes`` (of the temporaries, the
+      CPU backend's fp32 copies of bf16 weights, which a GPU does not make:
+      :func:`~lwjax.tools.bench.compiled.widened_arguments`), and ``collectives``
       (:func:`~lwjax.tools.bench.compiled.step_collectives`).
     """
     import jax
 
-    from lwjax.tools.bench.compiled import step_collectives
+    from lwjax.tools.bench.compiled import step_collectives, widened_arguments
 
     if request.mesh.replica > 1:
         raise ValueError(
@@ -71,7 +72,7 @@ def compiled_figures(request: CompileRequest) -> dict:
         )
     step, args, name, batch_bytes = _training_step(request)
     compiled = step.lower(*args).compile()
-    stats = compiled.memory_analysis()
+    stats, text = compiled.memory_analysis(), compiled.as_text()
     if batch_bytes is None:  # the optimizer step returns the parameters and the state
         held = stats.output_size_in_bytes
     else:  # the training step takes them, with the batch
@@ -83,7 +84,8 @@ def compiled_figures(request: CompileRequest) -> dict:
         output_bytes=int(stats.output_size_in_bytes),
         alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes),
-        collectives={k: list(v) for k, v in step_collectives(compiled.as_text()).items()},
+        widened_bytes=widened_arguments(text),
+        collectives={k: list(v) for k, v in step_collectives(text).items()},
     )
 
 
@@ -98,8 +100,8 @@ def _training_step(request: CompileRequest):
     from jax.sharding import PartitionSpec as P
 
     from lwjax.optimizer import state_shardings
+    from lwjax.parallel.gather import gather_params
     from lwjax.tools.bench.config import TrainBenchConfig
-    from lwjax.tools.bench.fsdp import fsdp_gather
     from lwjax.tools.bench.train_steps import lwjax_optimizer, lwjax_step
     from lwjax.tools.bench.workloads import workload_optimizer
     from lwjax.train import jit_shard_map
@@ -119,7 +121,7 @@ def _training_step(request: CompileRequest):
     cfg = TrainBenchConfig(
         workload=model.workload,
         layers=model.layers,
-        remat=options.remat,
+        remat=options.remat_on(mesh_shape),
         seq_len=options.seq_len,
         micro_batch=options.micro_batch,
         grad_reduce_in_fp32=options.grad_reduce_in_fp32,
@@ -160,8 +162,9 @@ def _training_step(request: CompileRequest):
         )
         return step, (grads, state), OPTIMIZER_STEP, None
     data = ("dp", "fsdp") if cfg.fsdp else "dp"
-    gather = functools.partial(fsdp_gather, reduce_in_fp32=cfg.grad_reduce_in_fp32)
-    step = lwjax_step(cfg.loss(gather=gather if cfg.fsdp else None), optimizer, fsdp=cfg.fsdp)
+    step = lwjax_step(
+        cfg.loss(gather=gather_params if cfg.fsdp else None), optimizer, fsdp=cfg.fsdp
+    )
     rows = mesh_shape.data_devices * cfg.micro_batch
     batch = jax.ShapeDtypeStruct(
         (rows, cfg.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P(data))

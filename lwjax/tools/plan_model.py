@@ -142,6 +142,7 @@ class PlanModel:
       workload: The benchmark workload of the same shapes, whose training step
         ``--compile`` compiles; ``None`` when there is none.
       layers: Transformer layers (the scan's length for a stacked GPT).
+      gpt: The GPT's shape, for its activations; ``None`` for a spec file.
     """
 
     name: str
@@ -152,6 +153,7 @@ class PlanModel:
     stacked: bool
     workload: str | None
     layers: int
+    gpt: GPTConfig | None = None
 
     @property
     def leaves(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -180,6 +182,7 @@ def gpt_model(preset: str, layers: int | None = None) -> PlanModel:
         stacked=True,
         workload=workload,
         layers=layers,
+        gpt=config,
     )
 
 
@@ -286,7 +289,9 @@ class PlanOptions:
       policy: Layout policy.
       bucket_size: Bucket size in elements, ``None`` or ``"auto"``.
       grad_reduce_in_fp32: Reduce gradients in fp32 (FSDP's backward and the optimizer's).
-      remat: Recompute each layer in the backward pass (FSDP gathers each layer twice).
+      remat: Recompute each layer in the backward pass (FSDP gathers each layer twice);
+        ``None``: on where parameters are split over ``fsdp`` (without it the backward
+        keeps every layer's gathered weights), off otherwise (:meth:`remat_on`).
       ns_precision: Newton–Schulz precision (``"medium"``: bf16).
       seq_len: Tokens per sequence, for the compiled step's batch.
       micro_batch: Sequences per data-parallel device, likewise.
@@ -295,10 +300,15 @@ class PlanOptions:
     policy: str = DEFAULT_POLICY
     bucket_size: int | str | None = "auto"
     grad_reduce_in_fp32: bool = True
-    remat: bool = False
+    remat: bool | None = None
     ns_precision: str = "medium"
     seq_len: int = 128
     micro_batch: int = 1
+
+    def remat_on(self, mesh: PlanMesh) -> bool:
+        """Whether the step on ``mesh`` recomputes its layers: :attr:`remat`, or where it is
+        ``None``, ``mesh.fsdp > 1``."""
+        return mesh.fsdp > 1 if self.remat is None else self.remat
 
 
 def mesh_axes(mesh: PlanMesh) -> MeshAxes:

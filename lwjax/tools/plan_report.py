@@ -6,7 +6,8 @@ r"""What a run costs per device, read off the optimizer's plan: memory, collecti
 
 * memory (:func:`memory`): the device's parameter blocks and their gradients in the
   parameter dtype, its shards of the fp32 masters, Muon momenta and Adam moments (bucket
-  padding included), and with FSDP one layer gathered whole;
+  padding included), with FSDP one layer gathered whole, and for a GPT its activations
+  (:func:`activations`);
 * the collectives of one training step (:func:`collectives`), each with the elements of
   its result and the bytes a device exchanges with partners on its host and on others;
 * the Newton–Schulz FLOPs of the busiest device (:func:`newton_schulz`).
@@ -138,7 +139,7 @@ def plan_run(model: PlanModel, mesh: PlanMesh, options: PlanOptions | None = Non
     return RunPlan(
         model=model.name,
         mesh=mesh,
-        memory=memory(model, mesh, plan),
+        memory=memory(model, mesh, plan, options),
         collectives=collectives(model, mesh, plan, options),
         ns_busiest=busiest,
         ns_total=total,
@@ -162,11 +163,14 @@ def _local(model: PlanModel, mesh: PlanMesh) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def memory(model: PlanModel, mesh: PlanMesh, plan: StepPlan) -> dict[str, int]:
+def memory(
+    model: PlanModel, mesh: PlanMesh, plan: StepPlan, options: PlanOptions
+) -> dict[str, int]:
     """Bytes per device: ``parameters`` and ``gradients`` (the device's blocks, parameter
     dtype), ``masters``, ``momenta`` and ``adam moments`` (its bucket shards, padding
-    included, in the plan's dtypes), and with FSDP ``gathered layer``: the largest layer's
-    parameters gathered whole over ``fsdp`` (one is live at a time in the forward)."""
+    included, in the plan's dtypes), with FSDP ``gathered layer``: the largest layer's
+    parameters gathered whole over ``fsdp`` (one is live at a time in the forward), and for
+    a GPT ``activations`` (:func:`activations`)."""
     local = _local(model, mesh)
     params = sum(n * size for n, _, size in local.values())
     out = {"parameters": params, "gradients": params}
@@ -190,7 +194,42 @@ def memory(model: PlanModel, mesh: PlanMesh, plan: StepPlan) -> dict[str, int]:
             if model.layer_prefix in key
         )
         out["gathered layer"] = layer
+    if model.gpt is not None:
+        out["activations"] = activations(model, mesh, options)
     return out
+
+
+def activations(model: PlanModel, mesh: PlanMesh, options: PlanOptions) -> int:
+    r"""Bytes of a GPT's activations kept for the backward pass on one device.
+
+    With :math:`b` sequences (``micro_batch``) of :math:`T` tokens (``seq_len``) per
+    device, :math:`s = bT`, width :math:`H`, :math:`n_q` query and :math:`n_g` key/value
+    heads of :math:`d` channels, MLP width :math:`F`, vocabulary :math:`V`, :math:`L`
+    layers and :math:`p` bytes per parameter-dtype element:
+
+    .. math::
+
+       A_	ext{layer} &= s\,p\,ig(3H + (2n_q + 2n_g)\,d + 3Fig) + 8\,b\,n_q T^2 \
+       A &= egin{cases} L\,s\,H\,p + A_	ext{layer} + 8\,sV & 	ext{remat} \
+                          L\,A_	ext{layer} + 8\,sV & 	ext{otherwise} \end{cases}
+
+    :math:`A_	ext{layer}` is what one layer keeps for its backward: its two norms' outputs
+    and the residual between them (:math:`3H`), the query/key/value projection and the
+    attention's output, the MLP's two halves and their product (:math:`3F`), and the fp32
+    attention scores and probabilities (XLA's attention; a fused kernel keeps neither). With
+    ``remat`` each layer keeps only its input, and one layer at a time is recomputed. The
+    logits and their gradient are fp32 (:math:`8sV`)."""
+    gpt = model.gpt
+    tokens = options.micro_batch * options.seq_len
+    itemsize = max(leaf.dtype.itemsize for leaf in model.leaves.values())
+    heads, groups, d = gpt.num_attention_heads, gpt.num_query_groups, gpt.head_dim
+    hidden, ffn = gpt.hidden_size, gpt.ffn_hidden_size
+    layer = tokens * itemsize * (3 * hidden + (2 * heads + 2 * groups) * d + 3 * ffn)
+    layer += 8 * options.micro_batch * heads * options.seq_len**2
+    logits = 8 * tokens * gpt.vocab_size
+    if options.remat_on(mesh):
+        return model.layers * tokens * hidden * itemsize + layer + logits
+    return model.layers * layer + logits
 
 
 def collectives(
@@ -204,16 +243,23 @@ def collectives(
     return tuple(_with_hosts(c, mesh) for c in rows if c.executions)
 
 
+EMBEDDING = "embedding.word_embeddings.weight"  # a GPT's table, looked up by rows
+
+
 def _fsdp_collectives(model: PlanModel, mesh: PlanMesh, options: PlanOptions) -> list[Collective]:
     """Each leaf gathered over ``fsdp`` in the forward (per-layer leaves once per layer, twice
-    with ``remat``) and its gradient reduce-scattered in the backward."""
+    with ``remat``) and its gradient reduce-scattered in the backward; a GPT's untied
+    embedding instead looked up by rows (:func:`lwjax.parallel.gather.gather_rows`): the
+    token ids all-gathered, each token's row sent whole to its device (an all-to-all, in
+    the reduction dtype) and its gradient sent back."""
     gathers = executions = scatters = scattered = size = 0
+    by_rows = model.gpt is not None and not model.gpt.tied_embeddings
     for key, (numel, whole, itemsize) in _local(model, mesh).items():
-        if whole == numel:
-            continue  # not split over fsdp
+        if whole == numel or (by_rows and key == EMBEDDING):
+            continue  # not split over fsdp, or looked up by rows
         in_layer = model.layer_prefix in key
         times = model.layers if in_layer and model.stacked else 1
-        again = 2 if options.remat and in_layer else 1
+        again = 2 if options.remat_on(mesh) and in_layer else 1
         gathers += whole * again
         executions += times * again
         scatters += times
@@ -221,12 +267,21 @@ def _fsdp_collectives(model: PlanModel, mesh: PlanMesh, options: PlanOptions) ->
         size = itemsize
     grad_size = 4 if options.grad_reduce_in_fp32 else size
     axes = ("fsdp",)
-    return [
+    rows = [
         Collective("fsdp gather (forward)", "all-gather", axes, mesh.fsdp, executions, gathers,
                    size, "model"),
         Collective("fsdp gradient reduce-scatter (backward)", "reduce-scatter", axes, mesh.fsdp,
                    scatters, scattered, grad_size, "model"),
     ]  # fmt: skip
+    if by_rows:
+        tokens = options.micro_batch * options.seq_len
+        rows += [
+            Collective("embedding token ids", "all-gather", axes, mesh.fsdp, 1,
+                       mesh.fsdp * tokens, 4, "model"),
+            Collective("embedding rows (forward, backward)", "all-to-all", axes, mesh.fsdp, 2,
+                       2 * tokens * model.gpt.hidden_size, grad_size, "model"),
+        ]  # fmt: skip
+    return rows
 
 
 def _optimizer_collectives(plan: StepPlan, mesh: PlanMesh, options) -> list[Collective]:
@@ -392,10 +447,10 @@ def _why(runs: list[RunPlan], limit: float | None) -> str:
         if best.total_bytes > limit:
             return (
                 f"No mesh fits {gb(limit)} per device: the smallest needs "
-                f"{gb(min(r.total_bytes for r in runs))} before activations."
+                f"{gb(min(r.total_bytes for r in runs))} before XLA's temporaries."
             )
         parts.append(
-            f"it fits {gb(limit)} ({gb(best.total_bytes)} before activations; "
+            f"it fits {gb(limit)} ({gb(best.total_bytes)} before XLA's temporaries; "
             f"{fitting} of {len(runs)} meshes fit)"
         )
     parts.append(f"it moves the fewest bytes across hosts ({gb(best.bytes_across())} per device "

@@ -51,11 +51,12 @@ def print_plan(run: RunPlan, compiled: dict | None = None) -> None:
         "masters": "fp32, its bucket shards with padding",
         "momenta": "fp32, Muon buckets",
         "adam moments": "fp32 m and v, elementwise buckets",
-        "gathered layer": "a layer gathered whole over fsdp (one at a time with --remat)",
+        "gathered layer": "a layer gathered whole over fsdp (one at a time: remat)",
+        "activations": "kept for the backward: layer inputs, one layer, fp32 logits",
     }
     for key, value in run.memory.items():
         mem.add_row(key, nbytes(value), notes[key])
-    mem.add_row("total", nbytes(run.total_bytes), "without activations", style="bold")
+    mem.add_row("total", nbytes(run.total_bytes), "without XLA's temporaries", style="bold")
     if compiled:
         held = compiled["held_bytes"]
         off = 100 * (run.state_bytes / held - 1)
@@ -68,8 +69,21 @@ def print_plan(run: RunPlan, compiled: dict | None = None) -> None:
         temp = compiled["temp_bytes"]
         mem.add_row("XLA: temporaries", nbytes(temp), compiled["step"], style="cyan")
         mem.add_row(
-            "XLA: step", nbytes(held + temp), "parameters, state, temporaries", style="cyan"
+            "XLA: step",
+            nbytes(held + temp),
+            f"parameters, state, temporaries: {(held + temp) / run.total_bytes:.2f}x the total",
+            style="cyan",
         )
+        widened = compiled.get("widened_bytes", 0)
+        if widened:
+            step = held + temp - widened
+            mem.add_row(
+                "XLA: step less CPU copies",
+                nbytes(step),
+                f"less {nbytes(widened)} of fp32 weight copies the CPU backend carries through "
+                f"the scan (a GPU makes none): {step / run.total_bytes:.2f}x the total",
+                style="cyan",
+            )
     out.print(mem)
     comm = table(
         "Collectives per step, per device",
@@ -161,8 +175,8 @@ def print_ranking(ranked: Sequence, *, devices: int, memory_gb: float | None, wh
             Column("NS busiest"),
             Column("NS / least"),
         ],
-        caption="memory: parameters, gradients, state and one gathered layer; no activations "
-        "or XLA temporaries (--compile on a mesh adds them)",
+        caption="memory: parameters, gradients, state, one gathered layer and activations; "
+        "no XLA temporaries (--compile on a mesh adds them)",
     )
     for run in ranked:
         fits = "—" if memory_gb is None else ("yes" if run.total_bytes <= memory_gb * 1e9 else "no")

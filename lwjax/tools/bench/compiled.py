@@ -151,3 +151,31 @@ def compiled_bytes(compiled) -> int | None:
         - stats.alias_size_in_bytes
         + stats.temp_size_in_bytes
     )
+
+
+def widened_arguments(hlo_text: str) -> int:
+    """Bytes of the fp32 copies XLA's CPU backend makes of whole bf16/fp16 arguments and
+    carries through a loop: in the entry computation, a conversion whose one operand is such
+    an argument, whose result is fp32 of the same shape, and which a ``while`` takes in.
+
+    The CPU backend computes 16-bit matrix products and collectives in fp32; in a scanned
+    model it converts each stacked weight once, before the scan, and the scan carries the
+    copy: the step holds every layer's weights a second time, at twice their bytes, while
+    it runs. A GPU computes in bf16 and makes no such copy: these bytes are the CPU
+    estimate's alone.
+    """
+    entry = hlo_text[hlo_text.find("\nENTRY ") :]
+    entry = re.sub(r"/\*.*?\*/", "", entry)  # XLA's /*index=5*/ notes
+    half = dict(re.findall(r"%(\S+) = (?:bf16|f16)\[([0-9,]*)\]\{[^}]*\} parameter\(", entry))
+    widened = {
+        name: 4 * math.prod(int(d) for d in dims.split(",") if d)
+        for name, dims, operand in re.findall(
+            r"%(\S+) = f32\[([0-9,]*)\]\{[^}]*\} (?:fusion|convert)\(%([^,)]+)\)", entry
+        )
+        if half.get(operand) == dims
+    }
+    tuples = dict(re.findall(r"%(\S+) = \(.*?\) tuple\(([^)]*)\)", entry))
+    carried = set()
+    for loop_input in re.findall(r" while\(%([^)]+)\)", entry):
+        carried |= {a.strip().lstrip("%") for a in tuples.get(loop_input, "").split(",")}
+    return sum(size for name, size in widened.items() if name in carried)

@@ -180,7 +180,13 @@ def add_parser(subparsers) -> None:
         default=True,
         help="reduce gradients in fp32 (default on)",
     )
-    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    p.add_argument(
+        "--remat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each layer in the backward pass (default: on with --fsdp, where the "
+        "backward would otherwise keep every layer gathered whole)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
