@@ -155,7 +155,7 @@ def assembled_together(
     grid_cols = [size for _, size in split.cols]
     k, t = len(grid_rows), math.prod(grid_rows) * math.prod(grid_cols)
     r, c = blocks[0].shape[-2:]
-    tables = _deal_tables(
+    tables = deal_tables(
         [(d.devices, math.prod(b.shape[:-3]), b.shape[-3]) for b, d in zip(blocks, deals)], t
     )
     rank = lax.axis_index(rank_axes) if len(deals[0].devices) > 1 else 0
@@ -181,8 +181,8 @@ def assembled_together(
     return [out[a:b].reshape(x.shape) for a, b, x in zip(starts, starts[1:], blocks)]
 
 
-class _DealTables(NamedTuple):
-    """Per-rank index tables of one deal (:func:`_deal_tables`)."""
+class DealTables(NamedTuple):
+    """Per-rank index tables of one deal (:func:`deal_tables`)."""
 
     per: int  # stack items each device assembles in the all_to_all (the most over devices)
     send: np.ndarray  # [ranks, t * per]: item sent in each chunk position (past the end: zero)
@@ -191,7 +191,7 @@ class _DealTables(NamedTuple):
     counts: tuple[int, ...]  # the distinct numbers of real items a device assembles
 
 
-def _deal_tables(stacks, t: int) -> _DealTables:
+def deal_tables(stacks, t: int) -> DealTables:
     """The index tables that move stacks ``[pieces, width, ...]`` as their deals say.
 
     ``stacks``: per stack ``(devices, pieces, width)``, ``devices[r][j]`` the
@@ -222,7 +222,7 @@ def _deal_tables(stacks, t: int) -> _DealTables:
     sizes = [[len(items) for items in row] for row in mine]
     counts = tuple(sorted({n for row in sizes for n in row}))
     branch = np.asarray([[counts.index(n) for n in row] for row in sizes], np.int32)
-    return _DealTables(per, send, receive, branch, counts)
+    return DealTables(per, send, receive, branch, counts)
 
 
 def _dealt_only(ns, whole: jax.Array, counts: tuple[int, ...], branch) -> jax.Array:

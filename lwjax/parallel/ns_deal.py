@@ -42,13 +42,18 @@ def whole_shape(axes: MeshAxes, group: SlotGroup, transpose: bool) -> tuple[int,
 
 
 def matrix_ns_flops(
-    shape: tuple[int, int], qkv_split_shapes, num_ns_steps: int, split_qkv: bool
+    shape: tuple[int, int],
+    qkv_split_shapes,
+    num_ns_steps: int,
+    split_qkv: bool,
+    symmetric_share=None,
 ) -> int:
-    """Newton–Schulz FLOPs of one matrix of ``shape`` (rows as read), per QKV piece when split."""
+    """Newton–Schulz FLOPs of one matrix of ``shape`` (rows as read), per QKV piece when split
+    (``symmetric_share``: :func:`lwjax.cost.ns_flops`')."""
     split = qkv_split_shapes if split_qkv else None
     if split and shape[0] % sum(split):
         split = None  # left to fail in lwjax.muon, which names the parameter
-    return ns_flops(shape, num_ns_steps, split)
+    return ns_flops(shape, num_ns_steps, split, symmetric_share=symmetric_share)
 
 
 def split_devices(axes: MeshAxes, group: SlotGroup) -> int:
@@ -111,12 +116,13 @@ def is_dealt(group: SlotGroup) -> bool:
     return bool(group.ns_devices)
 
 
-def region_ns_flops(plan) -> dict:
+def region_ns_flops(plan, symmetric_share=None) -> dict:
     """Per Newton–Schulz region of a step of ``plan``, the FLOPs each device computes in it.
 
     Keys: ``"joint"`` for the dealt matrices of every bucket (:func:`is_dealt`),
     ``(buffer, bucket)`` for each layer-wise bucket's other slot groups; values
-    are tables as :func:`device_ns_flops` returns.
+    are tables as :func:`device_ns_flops` returns (``symmetric_share``: the share of the
+    symmetric products a kernel computes, :func:`lwjax.cost.ns_flops`).
     """
     axes = plan.axes
     coords = [_unravel(c, axes.tp_sizes) for c in range(axes.tp_size)]
@@ -131,11 +137,11 @@ def region_ns_flops(plan) -> dict:
             for d, row in enumerate(table):
                 rank = d // axes.ep_size if expert else d
                 for c, at in enumerate(coords):
-                    row[c] += _group_work(plan, group, rank, at)
+                    row[c] += _group_work(plan, group, rank, at, symmetric_share)
     return tables
 
 
-def device_ns_flops(plan) -> list[list[int]]:
+def device_ns_flops(plan, symmetric_share=None) -> list[list[int]]:
     """Newton–Schulz FLOPs per device in one step of ``plan`` (a :class:`~lwjax.plan.StepPlan`),
     as the step computes them.
 
@@ -153,7 +159,7 @@ def device_ns_flops(plan) -> list[list[int]]:
     """
     axes = plan.axes
     table = [[0] * axes.tp_size for _ in range(axes.group_size)]
-    for region in region_ns_flops(plan).values():
+    for region in region_ns_flops(plan, symmetric_share).values():
         for row, add in zip(table, region):
             row[:] = [a + b for a, b in zip(row, add)]
     return table
@@ -171,13 +177,13 @@ def ns_critical_path(plan) -> int:
     return sum(max(map(max, table)) for table in region_ns_flops(plan).values())
 
 
-def _group_work(plan, group: SlotGroup, rank: int, at: tuple[int, ...]) -> int:
+def _group_work(plan, group: SlotGroup, rank: int, at: tuple[int, ...], share=None) -> int:
     """One device's Newton–Schulz FLOPs for a slot group (``at``: its tensor-parallel
     coordinates)."""
     axes, muon, steps = plan.axes, plan.muon, plan.muon.num_ns_steps
     whole = whole_shape(axes, group, plan.transpose)
     flops = lambda shape: matrix_ns_flops(  # noqa: E731
-        shape, group.qkv_split_shapes, steps, muon.split_qkv
+        shape, group.qkv_split_shapes, steps, muon.split_qkv, share
     )
     if group.tensor_split == ((), ()):
         return group.width * flops(whole)

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from lwjax.newton_schulz import _storage_dtype
-from lwjax.parallel.exchange import tensor_split
+from lwjax.parallel.exchange import deal_tables, tensor_split
+from lwjax.parallel.ns_deal import is_dealt, matrix_ns_flops, ns_critical_path, whole_shape
 from lwjax.plan import StepPlan
-from lwjax.tools.bench.floor import rank_ns_flops, whole_ns_flops
 from lwjax.tools.plan_model import (
     MESH_AXES,
     PlanMesh,
@@ -135,7 +135,7 @@ def plan_run(model: PlanModel, mesh: PlanMesh, options: PlanOptions | None = Non
     (``options``: :class:`~lwjax.tools.plan_model.PlanOptions`, the benchmark's by default)."""
     options = options or PlanOptions()
     plan = step_plan(model, mesh, options)
-    busiest, total, largest = newton_schulz(plan, options)
+    busiest, total, largest = newton_schulz(plan)
     return RunPlan(
         model=model.name,
         mesh=mesh,
@@ -320,33 +320,34 @@ def _optimizer_collectives(plan: StepPlan, mesh: PlanMesh, options) -> list[Coll
 
 
 def _exchanges(plan: StepPlan, options: PlanOptions) -> list[Collective]:
-    """``"duplicated"`` Muon's two ``all_to_all``\\ s per split slot group (per Q/K/V piece
-    shape for a fused QKV matrix): every block to the device that assembles its matrix, in
-    the masters' dtype, and the orthogonalised blocks back, in Newton–Schulz's."""
-    rows: dict[tuple, list[int]] = {}
+    """``"duplicated"`` Muon's joint exchange (:mod:`lwjax.joint_directions`): per block shape
+    (each QKV piece shape of a fused matrix its own), one ``all_to_all`` of every dealt matrix's
+    blocks of the step to the devices that assemble them, in the masters' dtype, and one back,
+    in Newton–Schulz's; each chunk holds the most matrices any device assembles
+    (:func:`lwjax.parallel.exchange.deal_tables`)."""
     out_size = _itemsize(plan.master_dtype)
     back_size = _itemsize(_storage_dtype(plan.master_dtype, options.ns_precision))
+    batches: dict[tuple, list[tuple]] = {}  # (axes, devices, block) -> (deal, pieces, width)
     for buffer in plan.buffers:
         for group in buffer.slot_groups:
-            split = tensor_split(plan.axes, group, plan.transpose)
-            if split is None:
+            if not is_dealt(group):
                 continue
+            split = tensor_split(plan.axes, group, plan.transpose)
             devices = math.prod(size for _, size in (*split.rows, *split.cols))
             rows_, cols = reversed(group.shape) if plan.transpose else group.shape
+            qkv = group.qkv_split_shapes if plan.muon.split_qkv else None
             pieces = [(1, rows_)]
-            if group.qkv_split_shapes:
-                per_group = sum(group.qkv_split_shapes)
-                pieces = [
-                    (group.qkv_split_shapes.count(r), rows_ // per_group * r)
-                    for r in dict.fromkeys(group.qkv_split_shapes)
-                ]
-            for stack, piece_rows in pieces:
-                per = -(-stack * group.width // devices)
-                elements = devices * per * piece_rows * cols
-                key = (split.names, devices)
-                counts = rows.setdefault(key, [0, 0])
-                counts[0] += 1
-                counts[1] += elements
+            if qkv:
+                pieces = [(qkv.count(r), rows_ // sum(qkv) * r) for r in dict.fromkeys(qkv)]
+            for count, piece_rows in pieces:
+                key = (split.names, plan.axes.of(buffer.key), devices, piece_rows, cols)
+                batches.setdefault(key, []).append((group.ns_devices, count, group.width))
+    rows: dict[tuple, list[int]] = {}
+    for (names, _, devices, piece_rows, cols), stacks in batches.items():
+        per = deal_tables(stacks, devices).per
+        counts = rows.setdefault((names, devices), [0, 0])
+        counts[0] += 1
+        counts[1] += devices * per * piece_rows * cols
     out = []
     for (names, devices), (executions, elements) in rows.items():
         for direction, size in (("out", out_size), ("back", back_size)):
@@ -373,20 +374,25 @@ def _with_hosts(c: Collective, mesh: PlanMesh) -> Collective:
     return dataclasses.replace(c, inside=round(same * each), across=round(other * each))
 
 
-def newton_schulz(plan: StepPlan, options: PlanOptions) -> tuple[int, int, int]:
-    """``(busiest device, every matrix once, largest matrix)``: Newton–Schulz FLOPs per step.
+def newton_schulz(plan: StepPlan) -> tuple[int, int, int]:
+    """``(critical path, every matrix once, largest matrix)``: Newton–Schulz FLOPs per step.
 
-    The busiest device's come from :func:`lwjax.tools.bench.floor.rank_ns_flops`.
+    The critical path is what the step waits for: each Newton–Schulz region's busiest
+    device, summed (:func:`lwjax.parallel.ns_deal.ns_critical_path`).
     """
-    steps = plan.muon.num_ns_steps
-    busiest = max(rank_ns_flops(plan, num_ns_steps=steps), default=0)
+    muon = plan.muon
     total = largest = 0
     for buffer in plan.buffers:
         for group in buffer.slot_groups:
-            each = whole_ns_flops(plan, group, num_ns_steps=steps)
+            each = matrix_ns_flops(
+                whole_shape(plan.axes, group, plan.transpose),
+                group.qkv_split_shapes,
+                muon.num_ns_steps,
+                muon.split_qkv,
+            )
             total += each * sum(len(names) for names in group.names)
             largest = max(largest, each)
-    return busiest, total, largest
+    return ns_critical_path(plan), total, largest
 
 
 def candidate_meshes(devices: int, devices_per_host: int | None) -> list[PlanMesh]:

@@ -1,14 +1,14 @@
 """Floors: what no schedule can remove from a step, measured on the devices at hand.
 
-:func:`newton_schulz_floor` is the busiest rank's Newton–Schulz (:func:`rank_ns_flops`) at the
-measured matmul rate (the compute Muon adds to a step); :func:`optimizer_step_floor` adds the
-bare reduce-scatter and all-gather of the optimizer step's buffers.
+:func:`newton_schulz_floor` is the busiest device's Newton–Schulz
+(:func:`lwjax.parallel.ns_deal.device_ns_flops`) at the measured matmul rate (the compute
+Muon adds to a step); :func:`optimizer_step_floor` adds the bare reduce-scatter and all-gather
+of the optimizer step's buffers.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwjax import gram
-from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
-from lwjax.parallel.exchange import tensor_split
+from lwjax.parallel.ns_deal import device_ns_flops
 from lwjax.tools.bench.timing import time_back_to_back, time_steps
 
 MATMUL_CHAIN = 8  # products per timed call when measuring the floor's matmul rate
@@ -40,35 +39,6 @@ def symmetric_share(device, ns_precision: str):
     return gram.computed_share if on_cuda and ns_precision == "medium" else None
 
 
-def whole_ns_flops(plan, group, share=None, num_ns_steps: int = DEFAULT_NUM_NS_STEPS) -> int:
-    """Newton–Schulz FLOPs of one matrix of a slot group, whole (:func:`~lwjax.cost.ns_flops`
-    of its shape before any tensor-parallel or FSDP split; ``share``: its ``symmetric_share``)."""
-    split = tensor_split(plan.axes, group)
-    shape = group.shape if split is None else split.full(group.shape)
-    return ns_flops(shape, num_ns_steps, group.qkv_split_shapes, symmetric_share=share)
-
-
-def rank_ns_flops(plan, share=None, num_ns_steps: int = DEFAULT_NUM_NS_STEPS) -> list[int]:
-    """Newton–Schulz FLOPs per step of each data-parallel rank of ``plan`` (a
-    :class:`~lwjax.plan.StepPlan`): on its busiest tensor-parallel device, of the matrices it owns.
-
-    Each matrix costs :func:`whole_ns_flops`. Where a slot group's matrices are split over
-    tensor-parallel (or FSDP) axes, ``"duplicated"`` Muon deals the ``w`` slots of the
-    group's batched call out over those ``t`` devices, ``ceil(w / t)`` each in slot
-    order, real matrices first: the busiest device orthogonalises ``min(ceil(w / t), n)``
-    of the rank's ``n`` whole matrices. Matrices held whole on every device cost ``n``.
-    """
-    flops = [0] * plan.axes.dp_size
-    for buffer in plan.buffers:
-        for group in buffer.slot_groups:  # every matrix of a group costs the same
-            split = tensor_split(plan.axes, group)
-            devices = 1 if split is None else math.prod(s for _, s in split.rows + split.cols)
-            each = whole_ns_flops(plan, group, share, num_ns_steps)
-            for rank, names in enumerate(group.names):
-                flops[rank] += min(-(-group.width // devices), len(names)) * each
-    return flops
-
-
 def newton_schulz_floor(plan, mesh, ns_precision: str, iters: int, warmup: int) -> dict:
     """The busiest rank's Newton–Schulz time: its FLOPs over the device's measured matmul rate.
 
@@ -81,8 +51,9 @@ def newton_schulz_floor(plan, mesh, ns_precision: str, iters: int, warmup: int) 
     rank of ``plan``.
     """
     device = mesh.devices.flat[0]
-    flops = rank_ns_flops(plan)
-    computed = rank_ns_flops(plan, symmetric_share(device, ns_precision))
+    # Per data-parallel rank, its busiest tensor-parallel device (lwjax.parallel.ns_deal).
+    flops = [max(row) for row in device_ns_flops(plan)]
+    computed = [max(row) for row in device_ns_flops(plan, symmetric_share(device, ns_precision))]
     # A chain of products in one call, so dispatch and synchronisation add nothing measurable
     # (one timed 8192^3 product gave 444 to 665 TFLOP/s between commands on one H200 host).
     # Entries of variance 1/size keep the chain's values from growing.
