@@ -143,7 +143,9 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[Buckets
         for k, size in enumerate(buffer.shard_sizes):
             segments = sorted((s for s in buffer.segments if s.bucket == k), key=lambda s: s.offset)
             pieces = _pieces(segments, buffer.dp * size)
-            if 0 < len(pieces) <= MAX_CONCAT_OPERANDS:
+            # One concatenate (no offsets) also where an offset would pass int32.
+            concat = len(pieces) <= MAX_CONCAT_OPERANDS or buffer.dp * size > MAX_BUCKET_ELEMENTS
+            if pieces and concat:
                 buckets.append(
                     jnp.concatenate(
                         [
@@ -249,8 +251,8 @@ def _read_rows(array: jax.Array, starts: list[int], numel: int) -> jax.Array:
 
     Offsets past int32 (jax's index type without x64: a device's block of a
     stacked leaf can hold more elements, e.g. a 70B model's fc1 stack at fsdp 8,
-    4.7e9) are read as whole rows of the array viewed ``[-1, numel]``, by row
-    index; a bucket's offsets always fit (``MAX_BUCKET_ELEMENTS``).
+    4.7e9, and so can a whole bucket of many ranks) are read as whole rows of the
+    array viewed ``[-1, numel]``, by row index, or else as static slices.
     """
     steps = {b - a for a, b in zip(starts, starts[1:])}
     if steps <= {numel}:
@@ -261,9 +263,6 @@ def _read_rows(array: jax.Array, starts: list[int], numel: int) -> jax.Array:
         offsets = jnp.asarray(starts, jnp.int32)
         return jax.vmap(lambda start: lax.dynamic_slice(array, (start,), (numel,)))(offsets)
     if array.size % numel or any(start % numel for start in starts):
-        raise ValueError(
-            f"_read_rows: offsets up to {max(starts):,} pass int32 and are not whole rows of "
-            f"{numel:,} elements of an array of {array.size:,}."
-        )
+        return jnp.stack([array[start : start + numel] for start in starts])
     rows = jnp.asarray([start // numel for start in starts], jnp.int32)
     return jnp.take(array.reshape(-1, numel), rows, axis=0)

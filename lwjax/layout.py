@@ -37,7 +37,8 @@ POLICIES: tuple[str, ...] = ("ns_cost", "lpt", "size_matching", "balanced")
 DEFAULT_POLICY: LayoutPolicy = "ns_cost"
 AUTO_BUCKET_MIN = 40_000_000  # Megatron's DDP bucket size: max(40M, 1M * dp) elements
 AUTO_BUCKET_PER_RANK = 1_000_000
-# Elements a bucket may hold: lwjax indexes a bucket with int32 offsets (jax without x64).
+# Elements a bucket's shard may hold: lwjax indexes a shard with int32 offsets (jax without x64).
+# A whole bucket (dp shards) may hold more: it is built and cut without offsets past int32.
 MAX_BUCKET_ELEMENTS = 2**31 - 1
 
 

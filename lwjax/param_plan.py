@@ -193,15 +193,15 @@ def _plan_buffer(key: BufferKey, layout: PerBufferParamLayout, routes, where) ->
     dp = layout.num_shards
     sizes = tuple(layout.shard_size(b) for b in range(len(layout.bucket_indices)))
     for bucket, size in enumerate(sizes):
-        if size * dp > MAX_BUCKET_ELEMENTS:
+        if size > MAX_BUCKET_ELEMENTS:
             numel, name = max(
                 (end - start, name)
                 for name, (start, end, b) in layout.param_index_map.items()
                 if b == bucket
             )
             raise ValueError(
-                f"layout: bucket {bucket} of buffer {key} holds {size * dp:,} elements (its "
-                f"largest parameter: {name}, {numel:,}); lwjax indexes a bucket with int32 "
+                f"layout: each shard of bucket {bucket} of buffer {key} holds {size:,} elements "
+                f"(its largest parameter: {name}, {numel:,}); lwjax indexes a shard with int32 "
                 f"offsets, so it must hold at most {MAX_BUCKET_ELEMENTS:,}. Set "
                 "LayoutConfig.bucket_size to split the buffer into smaller buckets; a single "
                 "parameter that large has to be split over a tensor-parallel axis (param_axes)."

@@ -101,13 +101,19 @@ class GradStats(NamedTuple):
     groups: list  # [buffer][bucket]: each shard element's norm group (a scalar when uniform).
 
 
+def own_shard(bucket: jax.Array, axis, size: int) -> jax.Array:
+    """This device's shard of a whole bucket of ``size``-element shards over ``axis``: a row of
+    the bucket viewed ``[-1, size]`` (no element offset, which would pass int32 in a bucket of
+    2**31 elements or more)."""
+    return lax.dynamic_index_in_dim(bucket.reshape(-1, size), lax.axis_index(axis), keepdims=False)
+
+
 def master_shards(plan: StepPlan, params) -> tuple[tuple[jax.Array, ...], ...]:
     """``params`` packed in the master dtype, this device's shard of each bucket."""
     packed = pack(plan, params, dtypes=[plan.master_dtype] * len(plan.buffers))
     return tuple(
         tuple(
-            lax.dynamic_slice(flat, (lax.axis_index(plan.axes.of(b.key)) * size,), (size,))
-            for flat, size in zip(buckets, b.shard_sizes)
+            own_shard(flat, plan.axes.of(b.key), size) for flat, size in zip(buckets, b.shard_sizes)
         )
         for b, buckets in zip(plan.buffers, packed)
     )
@@ -229,7 +235,7 @@ def reduce_scatter(
         axis, size = plan.axes.of(plan.buffers[i].key), plan.buffers[i].shard_sizes[k]
         shard = packed[i][k]  # no collective over a group of one (dp 1: fully sharded)
         if reduced and plan.buffers[i].dp > 1:
-            shard = lax.dynamic_slice(shard, (lax.axis_index(axis) * size,), (size,))
+            shard = own_shard(shard, axis, size)
         elif not reduced:
             if plan.buffers[i].dp > 1:
                 shard = lax.psum_scatter(shard, axis, tiled=True)

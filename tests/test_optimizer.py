@@ -1077,8 +1077,9 @@ def _traced_local_update(opt, params):
 
 
 def test_a_bucket_past_int32_offsets_is_refused():
-    """lwjax indexes a bucket with int32 offsets: 2**31 elements in one bucket are refused,
-    whether one leaf or two, naming the largest; buckets of 2**30 hold the two leaves."""
+    """lwjax indexes a bucket's shard with int32 offsets: 2**31 elements in one shard (dp 1:
+    the whole bucket) are refused, whether one leaf or two, naming the largest; buckets of
+    2**30 hold the two leaves."""
     one = {"w": jax.ShapeDtypeStruct((2**16, 2**15 + 1), jnp.bfloat16)}
     for params, numel, largest in [
         (one, "2,147,549,184", "w, 2,147,549,184"),
@@ -1089,6 +1090,25 @@ def test_a_bucket_past_int32_offsets_is_refused():
             layerwise_muon(params, mesh_of(1), layout=LayoutConfig(bucket_size=None))
     opt = layerwise_muon(HUGE, mesh_of(1), layout=LayoutConfig(bucket_size=2**30))
     assert [b.shard_sizes for b in opt.plan.buffers] == [(2**30, 2**30)]
+
+
+@pytest.mark.parametrize("pipeline_muon", [False, True])
+def test_a_bucket_of_ranks_past_int32_traces(pipeline_muon):
+    """A bucket over dp ranks may hold 2**31 elements or more while each shard stays below:
+    it is packed by one concatenate, cut into shards by row and read back by static slices, so
+    no offset passes int32 (0.4 refused it: Llama-3-8B's linear_fc1 bucket over 32 ranks)."""
+    opt = layerwise_muon(
+        HUGE,
+        mesh_of(2),
+        config=OptimizerConfig(pipeline_muon=pipeline_muon),
+        layout=LayoutConfig(bucket_size=None),
+    )
+    assert [(b.dp, b.shard_sizes) for b in opt.plan.buffers] == [(2, (2**30,))]
+    new, _, metrics = _traced_local_update(opt, HUGE)
+    assert jax.tree.map(lambda x: x.shape, new) == jax.tree.map(lambda x: x.shape, HUGE)
+    assert metrics["update_rms"].shape == ()
+    updates, _ = jax.eval_shape(opt.update, HUGE, jax.eval_shape(opt.init, HUGE), HUGE)
+    assert updates["w1"].shape == (2**15, 2**15)
 
 
 @pytest.mark.parametrize("pipeline_muon", [False, True])
