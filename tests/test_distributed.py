@@ -210,6 +210,41 @@ def test_checkpoint_from_two_processes_restores_in_four(runs, tmp_path):
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """The worker model with every leaf split over fsdp (dp 2 x fsdp 4, a process an fsdp
+    group), 3 steps: here on 1 process x 8 devices, then on 2 processes x 4, which save."""
+    out_dir = tmp_path_factory.mktemp("fsdp_runs")
+    optimizer, params, state, losses = worker.train(worker.fsdp_mesh(4), STEPS, log=lambda _: None)
+    one = {"losses": np.asarray(losses), **_state_on_host(optimizer, params, state)}
+    result, out, report = _launch("--steps", STEPS, "--out", out_dir, "--save", "--fsdp", 4)
+    assert result.returncode == 0, out + report
+    return {"one": one, "two": dict(np.load(out_dir / "result.npz")), "dir": out_dir}
+
+
+def test_two_processes_train_fsdp_split_parameters_like_one_process(fsdp_runs):
+    """make_train_step over parameters split over fsdp (gathered in the loss, gradients
+    reduce-scattered), the batch over dp x fsdp: 2 processes as 1."""
+    one, two = fsdp_runs["one"], fsdp_runs["two"]
+    assert set(two) == set(one)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-6)
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_fsdp_checkpoint_from_two_processes_restores_replicated_at_dp_8(fsdp_runs):
+    """The fsdp run's 2-process checkpoint restored by one process at dp 8 with replicated
+    parameters: its parameters and logical state bit for bit."""
+    mesh = dist.global_mesh(8)
+    optimizer = worker.make_optimizer(worker.make_params(), mesh)
+    params, state = checkpoint.restore(fsdp_runs["dir"] / "ckpt", optimizer)
+    restored = _state_on_host(optimizer, params, state)
+    two = {k: v for k, v in fsdp_runs["two"].items() if k != "losses"}
+    assert set(restored) == set(two)
+    for name, value in two.items():
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
 def test_checkpoint_from_one_process_restores_in_two(runs):
     restored = dict(np.load(runs["dir"] / "restored.npz"))
     one = {k: v for k, v in runs["one"].items() if k != "losses"}

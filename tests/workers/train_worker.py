@@ -9,6 +9,10 @@ to restore the checkpoint it writes.
     lwjax launch --nproc 2 --devices-per-proc 4 -- \
         python tests/workers/train_worker.py --steps 3 --out DIR
 
+With ``--fsdp N`` the mesh is ``("dp", "fsdp")`` with ``N`` consecutive devices per ``fsdp``
+group, every leaf split over ``fsdp`` on its last axis and gathered in the loss
+(:func:`lwjax.gather_params`), the batch split over both axes.
+
 Writes (process 0) ``DIR/result.npz``: parameters and the logical optimizer
 state, gathered from every process; with ``--save``, the lwjax checkpoint
 ``DIR/ckpt`` (written by every process together); with ``--restore CKPT``,
@@ -63,6 +67,10 @@ def loss_fn(params, batch):
     import jax
     import jax.numpy as jnp
 
+    import lwjax
+
+    params = lwjax.gather_params(params)  # FSDP blocks whole (whole leaves pass through)
+
     def norm(x, scale):
         return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
 
@@ -82,13 +90,39 @@ def global_batch_at(step: int) -> dict:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
+def fsdp_mesh(fsdp: int):
+    """``("dp", "fsdp")`` over every process's devices, ``fsdp`` consecutive ones a group."""
+    from jax.sharding import Mesh
+
+    from lwjax import distributed
+
+    devices = distributed.global_mesh().devices
+    return Mesh(devices.reshape(-1, fsdp), ("dp", "fsdp"))
+
+
+def placed(params, mesh):
+    """Host parameters on ``mesh``: split over ``fsdp`` on their last axis where it exists."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from lwjax import distributed
+
+    if "fsdp" not in mesh.axis_names:
+        return distributed.replicate(params, mesh)
+    specs = jax.tree.map(lambda x: P(*[None] * (x.ndim - 1), "fsdp"), params)
+    return distributed.place(params, mesh, specs)
+
+
 def make_optimizer(params, mesh):
     import lwjax
     from lwjax.optimizer import OptimizerConfig
 
+    if "fsdp" in mesh.axis_names:
+        params = placed(params, mesh)
     return lwjax.layerwise_muon(
         params,
         mesh,
+        param_axes="fsdp" if "fsdp" in mesh.axis_names else None,
         learning_rate=0.02,
         muon=lwjax.MuonConfig(
             momentum=0.9, nesterov=True, fp32_matmul_prec="highest", extra_scale_factor=0.2
@@ -130,14 +164,19 @@ def train(
 
     params = make_params()
     optimizer = make_optimizer(params, mesh)
-    params = distributed.replicate(params, mesh)
+    params = placed(params, mesh)
     state = optimizer.init(params)
-    step_fn = lwjax.make_train_step(loss_fn, optimizer)
-    rows = distributed.process_rows(GLOBAL_BATCH, mesh)
+    fsdp = ("fsdp",) if "fsdp" in mesh.axis_names else ()
+    step_fn = lwjax.make_train_step(
+        loss_fn, optimizer, options=lwjax.TrainStepOptions(fsdp_axes=fsdp)
+    )
+    axes = (*mesh.axis_names,) if fsdp else "dp"
+    rows = distributed.process_rows(GLOBAL_BATCH, mesh, axis=axes)
     losses = []
     for step in range(steps):
         local = {k: v[rows] for k, v in global_batch_at(step).items()}
-        params, state, metrics = step_fn(params, state, distributed.global_batch(local, mesh))
+        batch = distributed.global_batch(local, mesh, axis=axes)
+        params, state, metrics = step_fn(params, state, batch)
         losses.append(float(metrics["loss"]))
         log(f"step {step} loss {losses[-1]:.6f} rows {rows.start}:{rows.stop}")
         if die_after is not None and step + 1 == die_after and jax.process_index() == hang_process:
@@ -177,6 +216,7 @@ def main(argv=None) -> int:
         help="this process sleeps (outside any collective) after step --die-after",
     )
     p.add_argument("--hang-seconds", type=float, default=HANG_SECONDS)
+    p.add_argument("--fsdp", type=int, default=None, help="devices per fsdp group")
     args = p.parse_args(argv)
 
     from lwjax import distributed
@@ -188,7 +228,7 @@ def main(argv=None) -> int:
     from lwjax import checkpoint
     from lwjax.logical import to_logical
 
-    mesh = distributed.global_mesh()
+    mesh = distributed.global_mesh() if args.fsdp is None else fsdp_mesh(args.fsdp)
     print(
         f"process {info.process_id}/{info.num_processes}: {jax.local_device_count()} local, "
         f"{jax.device_count()} global devices, init {time.perf_counter() - start:.2f}s",
