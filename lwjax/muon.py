@@ -153,6 +153,15 @@ def _newton_schulz_in(dtype, coefficient_type, num_ns_steps, precision) -> Calla
     )
 
 
+def piece_stacks(rows: int, qkv_split_shapes) -> list[tuple[int, int]]:
+    """``(pieces, rows)`` of each stack Newton–Schulz runs on for a matrix of ``rows`` rows
+    (:func:`_pieces`): the whole matrix, or per distinct QKV row count its pieces together."""
+    if not qkv_split_shapes:
+        return [(1, rows)]
+    groups = rows // sum(qkv_split_shapes)
+    return [(qkv_split_shapes.count(r), groups * r) for r in dict.fromkeys(qkv_split_shapes)]
+
+
 def _pieces(update: jax.Array, qkv_split_shapes) -> tuple[list[jax.Array], Callable]:
     """The stacks Newton–Schulz runs on for ``update`` and the function that joins their results.
 

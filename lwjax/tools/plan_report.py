@@ -34,6 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lwjax.muon import piece_stacks
 from lwjax.newton_schulz import _storage_dtype
 from lwjax.parallel.exchange import deal_tables, tensor_split
 from lwjax.parallel.ns_deal import is_dealt, matrix_ns_flops, ns_critical_path, whole_shape
@@ -336,10 +337,7 @@ def _exchanges(plan: StepPlan, options: PlanOptions) -> list[Collective]:
             devices = math.prod(size for _, size in (*split.rows, *split.cols))
             rows_, cols = reversed(group.shape) if plan.transpose else group.shape
             qkv = group.qkv_split_shapes if plan.muon.split_qkv else None
-            pieces = [(1, rows_)]
-            if qkv:
-                pieces = [(qkv.count(r), rows_ // sum(qkv) * r) for r in dict.fromkeys(qkv)]
-            for count, piece_rows in pieces:
+            for count, piece_rows in piece_stacks(rows_, qkv):
                 key = (split.names, plan.axes.of(buffer.key), devices, piece_rows, cols)
                 batches.setdefault(key, []).append((group.ns_devices, count, group.width))
     rows: dict[tuple, list[int]] = {}
