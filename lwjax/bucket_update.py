@@ -129,9 +129,11 @@ class Directions(NamedTuple):
     :mod:`lwjax.pipelined`)."""
 
     # (buffer, bucket) -> per slot group :func:`muon_directions`' (polar, momentum), None for
-    # a group left to the bucket's update.
+    # a group left to the bucket's update; a momentum None is in ``momenta`` already.
     of: dict
     final: bool  # Whether their momenta passed the finite check (else phase 4 selects).
+    # (buffer, bucket) -> the bucket's momentum shard with those groups' new momenta written.
+    momenta: dict = {}
 
     def merged(self, other: Directions | None) -> Directions:
         """These directions with ``other``'s filling the groups left ``None`` (the same
@@ -140,11 +142,13 @@ class Directions(NamedTuple):
             return self
         if other.final != self.final:
             raise ValueError(f"directions final={self.final} merged with final={other.final}.")
+        if self.momenta.keys() & other.momenta.keys():
+            raise ValueError("directions that both wrote a bucket's momenta cannot be merged.")
         of = {key: list(given) for key, given in self.of.items()}
         for key, given in other.of.items():
             mine = of.setdefault(key, [None] * len(given))
             of[key] = [a if b is None else b for a, b in zip(mine, given)]
-        return Directions(of, self.final)
+        return Directions(of, self.final, {**self.momenta, **other.momenta})
 
 
 def weight_decay_at(plan: StepPlan, count: jax.Array) -> float | jax.Array:
@@ -193,6 +197,8 @@ def update_and_gather(
         i, k = step.buffer, step.bucket
         due = [(steps[j].buffer, steps[j].bucket) for j in plan.schedule.lands_before(t)]
         own = None if early is None else early.of.get((i, k))
+        if early is not None and (i, k) in early.momenta:  # the early groups' momenta written
+            moments[i][k] = early.momenta[(i, k)]
         inputs = BucketShards(masters[i][k], moments[i][k], grad_shards[i][k], own)
         inputs = _in_order(inputs, previous, due if gather else [], gathered)
         masters[i][k], moments[i][k], d = update_bucket(
@@ -200,7 +206,11 @@ def update_and_gather(
         )
         delta_sq += d
         previous = masters[i][k]
-        if gather:
+        if gather and plan.buffers[i].dp == 1:
+            # Nothing to gather: the leaves are cast as they are read from the new masters,
+            # with no copy of the bucket in the parameter dtype.
+            gathered[i][k] = previous
+        elif gather:
             previous = previous.astype(plan.buffers[i].key.param_dtype)
             gathered[i][k] = gather_shard(plan, i, previous, views[i][k].rank)
     return masters, moments, gathered if gather else None, delta_sq
@@ -209,13 +219,19 @@ def update_and_gather(
 def _in_order(inputs: BucketShards, previous, due: list, gathered: list) -> BucketShards:
     """``inputs`` behind one optimization barrier with the previous bucket's update and the
     gathers ``due`` by now: the bucket waits for the one before, and those gathers land
-    first (written into ``gathered``)."""
-    inputs, _, arrived = lax.optimization_barrier(
-        (inputs, previous, [gathered[a][b] for a, b in due])
+    first (written into ``gathered``).
+
+    Only the gradient and the directions pass through it: every update reads the gradient,
+    so that orders the bucket, and the state shards (donated arguments, updated in place)
+    stay out of it, where XLA copied each one it passed through."""
+    if not due and not jax.tree.leaves(previous):  # nothing to wait for
+        return inputs
+    (grad, directions), _, arrived = lax.optimization_barrier(
+        ((inputs.grad, inputs.directions), previous, [gathered[a][b] for a, b in due])
     )
     for (a, b), x in zip(due, arrived):
         gathered[a][b] = x
-    return inputs
+    return inputs._replace(grad=grad, directions=directions)
 
 
 def gather_shard(plan: StepPlan, i: int, shard: jax.Array, rank) -> jax.Array:
@@ -319,7 +335,7 @@ def apply_muon(
             exchange=exchange,
         )
         new_p = jnp.where(finite, new_p, old_p)
-        if not final:
+        if not final and new_m is not None:
             new_m = jnp.where(
                 finite, new_m, shards.take(momentum, offsets, group.shape, plan.transpose)
             )
@@ -328,8 +344,11 @@ def apply_muon(
             change = jnp.where(first_device(plan.axes, group.tensor_whole), change, 0)
         delta_sq += change
         if plan.transpose:
-            new_p, new_m = jnp.swapaxes(new_p, -1, -2), jnp.swapaxes(new_m, -1, -2)
-        master, momentum = shards.put(master, offsets, new_p), shards.put(momentum, offsets, new_m)
+            new_p = jnp.swapaxes(new_p, -1, -2)
+            new_m = None if new_m is None else jnp.swapaxes(new_m, -1, -2)
+        master = shards.put(master, offsets, new_p)
+        if new_m is not None:  # else written with its direction (lwjax.joint_directions)
+            momentum = shards.put(momentum, offsets, new_m)
     return master[: bucket.size], momentum[: bucket.size], delta_sq
 
 
@@ -351,13 +370,18 @@ def update_elementwise(plan: StepPlan, bucket: BucketView, inputs: BucketShards,
         decay = decay * rates.weight_decay
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     direction, new_tx_state = plan.elementwise.update(inputs.grad, tx_state, master)
+    new_tx_state = jax.tree.map(keep, new_tx_state, tx_state)
+    # Materialised before the master's update reads them: else XLA computes the new state
+    # again there from the old one, which it must then copy to keep it readable while the
+    # new state is written over it (the state is donated and updated in place).
+    direction, new_tx_state = lax.optimization_barrier((direction, new_tx_state))
     step = lr * lr_mult if not (isinstance(lr_mult, (int, float)) and lr_mult == 1) else lr
     new_master = keep(master - step * (direction + decay * master), master)
     change = jnp.square(new_master - master)
     counted = counted_elements(plan, bucket.buffer_index, bucket.bucket, bucket.rank)
     return (
         new_master,
-        jax.tree.map(keep, new_tx_state, tx_state),
+        new_tx_state,
         jnp.sum(count_once(change, counted)),
     )
 

@@ -437,7 +437,15 @@ def muon_momentum(
     beta = config.momentum
     new = _lerp(momentum, grad, 1.0 - beta)
     momentum = new if skip is None else jnp.where(skip, momentum, new)
-    return (_lerp(grad, momentum, beta) if config.nesterov else momentum), momentum
+    return muon_look_ahead(grad, momentum, config=config), momentum
+
+
+def muon_look_ahead(grad: jax.Array, momentum: jax.Array, *, config: MuonConfig) -> jax.Array:
+    r"""The matrix :func:`muon_momentum` orthogonalises, from the gradient and the *new* momentum.
+
+    .. math:: U = G + \beta (M - G) \text{ if nesterov, else } M
+    """
+    return _lerp(grad, momentum, config.momentum) if config.nesterov else momentum
 
 
 def apply_polar(

@@ -222,7 +222,11 @@ def keep_or_redo(
         return own
 
     def recompute_joint(_):
-        return False, joint_directions(plan, views, state.momenta, grad_shards, stats).of
+        # Each group keeps its momentum: the loop's carry is the speculation's structure.
+        directions = joint_directions(
+            plan, views, state.momenta, grad_shards, stats, write_momenta=False
+        )
+        return False, directions.of
 
     _, joint = lax.while_loop(lambda carry: carry[0], recompute_joint, (redo, speculation.joint.of))
     return own.merged(Directions(joint, final=True))

@@ -216,18 +216,22 @@ def reduce_scatter(
     buffer by buffer); XLA's scheduler may still run them in another. With
     ``reduced``, ``grads`` are already global and each device slices out its
     shards. Returns, per buffer and bucket, this device's summed shard in the
-    master dtype.
+    master dtype, or in the gradients' own where nothing sums it (:func:`_kept_as_given`).
     """
     dtype = plan.master_dtype
     grads = _vectors_reduced_apart(plan, grads)
+    kept = _kept_as_given(plan, grads, reduced)
     if reduced:
         packed = pack(plan, grads, dtypes=[dtype] * len(plan.buffers))
     else:
         packed = pack(
             plan,
             jax.tree.map(lambda g: g.astype(dtype) / plan.axes.num_data, grads),
-            dtypes=[b.key.grad_dtype for b in plan.buffers],
+            dtypes=[None if k else b.key.grad_dtype for b, k in zip(plan.buffers, kept)],
         )
+        if any(kept):
+            given = pack(plan, grads, dtypes=kept)
+            packed = [g if k is not None else p for p, g, k in zip(packed, given, kept)]
     if order is None:
         order = [(i, k) for i, b in enumerate(plan.buffers) for k in range(b.num_buckets)]
     out = [[None] * b.num_buckets for b in plan.buffers]
@@ -241,8 +245,32 @@ def reduce_scatter(
                 shard = lax.psum_scatter(shard, axis, tiled=True)
             if plan.axes.replica_size > 1:  # 1/G of the bytes: cheaper after the scatter
                 shard = lax.psum(shard, plan.axes.replica)
-        out[i][k] = shard.astype(dtype)
+        out[i][k] = shard if kept[i] is not None else shard.astype(dtype)
     return out
+
+
+def _kept_as_given(plan: StepPlan, grads, reduced: bool) -> list:
+    """Per buffer, the gradients' own dtype where its shards are this device's gradients as
+    they are, else ``None``: a Muon buffer that nothing reduces (one data-parallel device,
+    no groups, as with full sharding over FSDP axes) of gradients narrower than the masters.
+
+    Their values are kept in that dtype and promoted exactly where they are read (the
+    norms sum them in fp32; momentum arithmetic promotes), so the step's values are the same
+    bits; an fp32 copy of every local gradient is not made (4 GB per device at 8B, fsdp 8).
+    Elementwise buffers keep fp32: an optax transform may scale a gradient before mixing it
+    with fp32 state, which would round in the narrow dtype.
+    """
+    if reduced or plan.axes.num_data != 1:
+        return [None] * len(plan.buffers)
+    leaves = check_tree(plan, grads, "gradients")
+    kept = []
+    for buffer in plan.buffers:
+        dtypes = {leaves[s.leaf].dtype for s in buffer.segments if leaves[s.leaf] is not None}
+        given = dtypes.pop() if len(dtypes) == 1 else None
+        narrow = given is not None and jnp.finfo(given).bits < jnp.finfo(plan.master_dtype).bits
+        alone = buffer.dp == 1 and plan.axes.replica_size == 1
+        kept.append(given if buffer.key.is_layer_wise and alone and narrow else None)
+    return kept
 
 
 def over_statistics(reduce, x, plan: StepPlan):
@@ -277,7 +305,7 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
         for buffer, rank in zip(plan.buffers, ranks)
     ]
     num_groups = len(plan.norm_groups)
-    dtype = grad_shards[0][0].dtype if grad_shards and grad_shards[0] else jnp.float32
+    dtype = plan.master_dtype  # gradients kept narrow (reduce_scatter) are summed in it
     counted = counted_masks(plan, ranks)
     # Elements counted elsewhere are zeros here: they add nothing to a sum or a maximum.
     grad_shards = [
@@ -292,7 +320,7 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
         totals = [0] * num_groups
         for buckets, bucket_groups in zip(grad_shards, groups):
             for x, group in zip(buckets, bucket_groups):
-                v = value(x, group)
+                v = value(x.astype(dtype), group)
                 if isinstance(group, jax.Array):
                     for g in range(num_groups):
                         totals[g] = combine(totals[g], reduce(jnp.where(group == g, v, 0)))
