@@ -147,6 +147,8 @@ def assembled_together(
     the same), and runs Newton–Schulz only on the matrices dealt to it: one
     branch of a ``lax.switch`` per count of matrices a device assembles, so the
     zero fill and the spare slots are never computed. Spare slots come back zero.
+    The chunk positions go in rounds (:func:`exchange_rounds`), one after the
+    other, so that the exchange buffers hold one round's matrices at a time.
     """
     rank_axes = deals[0].rank_axes
     if any(d.rank_axes != rank_axes for d in deals):
@@ -162,23 +164,39 @@ def assembled_together(
     per = tables.per
     flat = [b.reshape(-1, r, c) for b in blocks]
     flat = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-    to_send = jnp.take(flat, rank_row(tables.send, rank), axis=0, mode="fill", fill_value=0)
-    # received[s]: the block at grid position s (row-major) of the matrices this device assembles.
-    received = lax.all_to_all(to_send.reshape(t, per, r, c), split.names, 0, 0)
-    grid = received.reshape(*grid_rows, *grid_cols, per, r, c)
-    n = grid.ndim - 3  # grid axes
-    to_whole = (n, *range(k), n + 1, *range(k, n), n + 2)  # [per, rows grid, r, cols grid, c]
-    whole = grid.transpose(to_whole).reshape(
-        per, r * math.prod(grid_rows), c * math.prod(grid_cols)
-    )
-    branch = jnp.asarray(rank_row(tables.branch, rank))[lax.axis_index(split.names)]
-    done = _dealt_only(ns, whole, tables.counts, branch).reshape(per, *grid_rows, r, *grid_cols, c)
-    out_blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, per, r, c)
-    # back[g]: this device's block of the matrices device g assembled.
-    back = lax.all_to_all(out_blocks, split.names, 0, 0).reshape(t * per, r, c)
+    send = jnp.asarray(rank_row(tables.send, rank)).reshape(t, per)
+    n = len(grid_rows) + len(grid_cols)  # grid axes
+    to_whole = (n, *range(k), n + 1, *range(k, n), n + 2)  # [items, rows grid, r, cols grid, c]
+    device = lax.axis_index(split.names)
+    backs, previous = [], None
+    for lo, hi in exchange_rounds(per, t * r * c * flat.dtype.itemsize):
+        m = hi - lo
+        positions = send[:, lo:hi].reshape(-1)
+        if previous is not None:  # this round's buffers once the last round's Newton-Schulz is done
+            positions, _ = lax.optimization_barrier((positions, previous))
+        to_send = jnp.take(flat, positions, axis=0, mode="fill", fill_value=0)
+        # received[s]: the block at grid position s (row-major) of the matrices this device
+        # assembles in this round.
+        received = lax.all_to_all(to_send.reshape(t, m, r, c), split.names, 0, 0)
+        grid = received.reshape(*grid_rows, *grid_cols, m, r, c)
+        whole = grid.transpose(to_whole).reshape(
+            m, r * math.prod(grid_rows), c * math.prod(grid_cols)
+        )
+        counts, branches = round_counts(tables, lo, hi)
+        branch = jnp.asarray(rank_row(branches, rank))[device]
+        previous = _dealt_only(ns, whole, counts, branch)
+        done = previous.reshape(m, *grid_rows, r, *grid_cols, c)
+        out_blocks = done.transpose(tuple(int(i) for i in np.argsort(to_whole))).reshape(t, m, r, c)
+        # back[g]: this device's block of the matrices device g assembled in this round.
+        backs.append(lax.all_to_all(out_blocks, split.names, 0, 0))
+    back = (backs[0] if len(backs) == 1 else jnp.concatenate(backs, axis=1)).reshape(t * per, r, c)
     out = jnp.take(back, rank_row(tables.receive, rank), axis=0, mode="fill", fill_value=0)
     starts = np.cumsum([0] + [math.prod(b.shape[:-2]) for b in blocks])
     return [out[a:b].reshape(x.shape) for a, b, x in zip(starts, starts[1:], blocks)]
+
+
+# At most this many bytes of blocks per device and direction in one round of an exchange.
+EXCHANGE_ROUND_BYTES = 2**28
 
 
 class DealTables(NamedTuple):
@@ -223,6 +241,24 @@ def deal_tables(stacks, t: int) -> DealTables:
     counts = tuple(sorted({n for row in sizes for n in row}))
     branch = np.asarray([[counts.index(n) for n in row] for row in sizes], np.int32)
     return DealTables(per, send, receive, branch, counts)
+
+
+def exchange_rounds(per: int, position_bytes: int) -> list[tuple[int, int]]:
+    """The rounds ``[lo, hi)`` of chunk positions :func:`assembled_together` exchanges at a
+    time: as many as fit :data:`EXCHANGE_ROUND_BYTES` (``position_bytes``: one position's
+    blocks, to every device), at least one. Each round's buffers are freed before the next
+    is sent, so a step's exchange holds about one round each way, not every dealt matrix of
+    a shape (two fp32 copies of every fc1 of 8B at fsdp 8, 3.8 GB per device)."""
+    size = max(1, min(per, EXCHANGE_ROUND_BYTES // max(1, position_bytes)))
+    return [(lo, min(per, lo + size)) for lo in range(0, per, size)]
+
+
+def round_counts(tables: DealTables, lo: int, hi: int) -> tuple[tuple[int, ...], np.ndarray]:
+    """``(counts, branch)`` of the round ``[lo, hi)``: the distinct numbers of real items
+    a device assembles in it, and per rank and device the entry of ``counts`` it runs."""
+    real = np.clip(np.asarray(tables.counts)[tables.branch] - lo, 0, hi - lo)
+    counts = tuple(sorted({int(x) for x in real.flat}))
+    return counts, np.searchsorted(counts, real).astype(np.int32)
 
 
 def _dealt_only(ns, whole: jax.Array, counts: tuple[int, ...], branch) -> jax.Array:

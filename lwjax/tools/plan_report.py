@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from lwjax.muon import piece_stacks
 from lwjax.newton_schulz import _storage_dtype
-from lwjax.parallel.exchange import deal_tables, tensor_split
+from lwjax.parallel.exchange import deal_tables, exchange_rounds, tensor_split
 from lwjax.parallel.ns_deal import is_dealt, matrix_ns_flops, ns_critical_path, whole_shape
 from lwjax.plan import StepPlan
 from lwjax.tools.plan_model import (
@@ -324,7 +324,8 @@ def _exchanges(plan: StepPlan, options: PlanOptions) -> list[Collective]:
     """``"duplicated"`` Muon's joint exchange (:mod:`lwjax.joint_directions`): per block shape
     (each QKV piece shape of a fused matrix its own), one ``all_to_all`` of every dealt matrix's
     blocks of the step to the devices that assemble them, in the masters' dtype, and one back,
-    in Newton–Schulz's; each chunk holds the most matrices any device assembles
+    in Newton–Schulz's, in rounds (:func:`lwjax.parallel.exchange.exchange_rounds`); each
+    chunk holds the most matrices any device assembles
     (:func:`lwjax.parallel.exchange.deal_tables`)."""
     out_size = _itemsize(plan.master_dtype)
     back_size = _itemsize(_storage_dtype(plan.master_dtype, options.ns_precision))
@@ -344,7 +345,7 @@ def _exchanges(plan: StepPlan, options: PlanOptions) -> list[Collective]:
     for (names, _, devices, piece_rows, cols), stacks in batches.items():
         per = deal_tables(stacks, devices).per
         counts = rows.setdefault((names, devices), [0, 0])
-        counts[0] += 1
+        counts[0] += len(exchange_rounds(per, devices * piece_rows * cols * out_size))
         counts[1] += devices * per * piece_rows * cols
     out = []
     for (names, devices), (executions, elements) in rows.items():
