@@ -4,7 +4,10 @@
 devices, lowers it on ``jax.ShapeDtypeStruct`` arguments (nothing is allocated) and returns
 XLA's memory estimate and the collectives one call runs
 (:func:`lwjax.tools.bench.compiled.step_collectives`). :func:`compile_in_subprocess` runs it
-in a fresh Python on N virtual CPU devices, so a laptop can compile a 64-device step.
+in a fresh Python on N virtual CPU devices, so a laptop can compile a 64-device step; or,
+with ``backend="gpu"`` on a machine with one GPU, on N GPUs that JAX mocks
+(``mock_num_gpu_processes``: compiled for that GPU, never run), which gives the GPU
+compiler's estimate: the CPU backend's differs (it computes and moves bf16 in fp32).
 
 The step is the benchmark's (:func:`_training_step`, the one place that chooses it):
 :func:`lwjax.tools.bench.train_steps.lwjax_step` over replicated parameters (``dp``) or
@@ -33,6 +36,7 @@ class CompileRequest:
     layers: int | None
     mesh: PlanMesh
     options: PlanOptions
+    backend: str = "cpu"  # "cpu" (virtual devices) or "gpu" (mocked GPUs)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -41,7 +45,11 @@ class CompileRequest:
     def from_json(cls, text: str) -> CompileRequest:
         obj = json.loads(text)
         return cls(
-            obj["preset"], obj["layers"], PlanMesh(**obj["mesh"]), PlanOptions(**obj["options"])
+            obj["preset"],
+            obj["layers"],
+            PlanMesh(**obj["mesh"]),
+            PlanOptions(**obj["options"]),
+            obj.get("backend", "cpu"),
         )
 
 
@@ -49,10 +57,11 @@ def compiled_figures(request: CompileRequest) -> dict:
     """Compile the step of ``request`` on this process's first ``mesh.devices`` devices.
 
     Returns:
-      ``step`` (which step was compiled), ``held_bytes`` (parameters and optimizer state
-      per device: the training step's arguments less its batch, or what the optimizer
-      step returns), XLA's ``argument_bytes``, ``output_bytes``, ``alias_bytes``
-      (donated) and ``temp_bytes`` per device, ``widened_bytes`` (of the temporaries, the
+      ``step`` (which step was compiled), ``backend`` (``"cpu"`` or ``"gpu"``),
+      ``held_bytes`` (parameters and optimizer state per device: the training step's
+      arguments less its batch, or what the optimizer step returns), XLA's
+      ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (donated) and ``temp_bytes``
+      per device, ``widened_bytes`` (of the temporaries, the
       CPU backend's fp32 copies of bf16 weights, which a GPU does not make:
       :func:`~lwjax.tools.bench.compiled.widened_arguments`), and ``collectives``
       (:func:`~lwjax.tools.bench.compiled.step_collectives`).
@@ -79,6 +88,7 @@ def compiled_figures(request: CompileRequest) -> dict:
         held = stats.argument_size_in_bytes - batch_bytes
     return dict(
         step=name,
+        backend=jax.default_backend(),
         held_bytes=int(held),
         argument_bytes=int(stats.argument_size_in_bytes),
         output_bytes=int(stats.output_size_in_bytes),
@@ -173,20 +183,36 @@ def _training_step(request: CompileRequest):
     return step, (params, state, batch), name, cfg.micro_batch * (cfg.seq_len + 1) * 4
 
 
+BACKENDS = ("cpu", "gpu")
+
+
 def compile_in_subprocess(request: CompileRequest, timeout: float | None = None) -> dict:
-    """:func:`compiled_figures` in a fresh Python on ``mesh.devices`` virtual CPU devices.
+    """:func:`compiled_figures` in a fresh Python on ``mesh.devices`` virtual CPU devices, or
+    mocked GPUs (``request.backend``).
 
     Raises:
-      ValueError: the child failed (its last lines of stderr).
+      ValueError: an unknown backend; the child failed (its last lines of stderr).
     """
+    if request.backend not in BACKENDS:
+        raise ValueError(f"--compile-on must be one of {BACKENDS}; got {request.backend!r}.")
     n = request.mesh.devices
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": str(n),
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-        f"--xla_force_host_platform_device_count={n}".strip(),
-    }
+    if request.backend == "gpu":
+        # No autotuning: mocked GPUs cannot time kernels (with it, compiling waited past
+        # minutes where it took 10 s without, on one H200); the estimate is the default kernels'.
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cuda",
+            "LWJAX_MOCK_GPUS": str(n),
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip(),
+        }
+    else:
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(n),
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+            f"--xla_force_host_platform_device_count={n}".strip(),
+        }
     result = subprocess.run(
         [sys.executable, "-m", "lwjax.tools.plan_compile"],
         input=request.to_json(),
@@ -205,7 +231,14 @@ def main() -> None:
     """Read a :class:`CompileRequest` as JSON on stdin; print :func:`compiled_figures` as JSON."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", "1")))
+    if "LWJAX_MOCK_GPUS" in os.environ:  # before the backend starts
+        jax.config.update("mock_num_gpu_processes", int(os.environ["LWJAX_MOCK_GPUS"]))
+        try:
+            jax.devices("gpu")
+        except Exception as err:  # noqa: BLE001 (jax raises several kinds when it has no GPU)
+            sys.exit(f"--compile-on gpu needs a GPU on this machine ({type(err).__name__})")
+    else:
+        jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", "1")))
     try:
         figures = compiled_figures(CompileRequest.from_json(sys.stdin.read()))
     except ValueError as err:

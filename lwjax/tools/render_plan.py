@@ -67,7 +67,8 @@ def print_plan(run: RunPlan, compiled: dict | None = None) -> None:
             style="cyan",
         )
         temp = compiled["temp_bytes"]
-        mem.add_row("XLA: temporaries", nbytes(temp), compiled["step"], style="cyan")
+        on = f"on {compiled['backend'].upper()}" if "backend" in compiled else ""
+        mem.add_row("XLA: temporaries", nbytes(temp), f"{compiled['step']} {on}", style="cyan")
         mem.add_row(
             "XLA: step",
             nbytes(held + temp),

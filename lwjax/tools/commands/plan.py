@@ -4,8 +4,9 @@ For a model (a preset or a spec file) on a mesh (``--dp``, ``--fsdp``, ``--tp``,
 ``--replica``, hosts of ``--devices-per-host``) it prints what one device holds, the bytes
 each collective of a training step moves inside and across hosts, and the Newton–Schulz
 work of the busiest device (:mod:`lwjax.tools.plan_report`). ``--compile`` also compiles
-the step on abstract shapes on as many virtual CPU devices (nothing is allocated) and sets
-XLA's memory estimate and collectives beside the plan's. With ``--devices N`` and no mesh,
+the step on abstract shapes on as many virtual CPU devices (nothing is allocated), or with
+``--compile-on gpu`` as many GPUs mocked on a machine with one, and sets XLA's memory
+estimate and collectives beside the plan's. With ``--devices N`` and no mesh,
 it plans every ``dp x fsdp x tp`` mesh of N devices and recommends one.
 
 Examples::
@@ -97,7 +98,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "--compile compiles the benchmark's GPT: use one of the presets "
                 "small, llama8b, llama70b, llama405b."
             )
-        compiled = compile_in_subprocess(CompileRequest(args.preset, args.layers, mesh, options))
+        compiled = compile_in_subprocess(
+            CompileRequest(args.preset, args.layers, mesh, options, args.compile_on)
+        )
     if args.json:
         print_json(plan_json(run, compiled))
     else:
@@ -192,6 +195,13 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="also compile the training step on abstract shapes on virtual CPU devices and "
         "show XLA's memory estimate and collectives",
+    )
+    p.add_argument(
+        "--compile-on",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="with --compile: virtual CPU devices (the default), or the mesh's devices as GPUs "
+        "JAX mocks on a machine with one GPU (the GPU compiler's estimate; nothing runs)",
     )
     p.add_argument("--seq-len", type=_positive, default=128, metavar="T", help="with --compile")
     p.add_argument(
