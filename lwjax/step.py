@@ -227,9 +227,9 @@ def reduce_scatter(
         packed = pack(
             plan,
             jax.tree.map(lambda g: g.astype(dtype) / plan.axes.num_data, grads),
-            dtypes=[None if k else b.key.grad_dtype for b, k in zip(plan.buffers, kept)],
+            dtypes=[b.key.grad_dtype if k is None else None for b, k in zip(plan.buffers, kept)],
         )
-        if any(kept):
+        if any(k is not None for k in kept):
             given = pack(plan, grads, dtypes=kept)
             packed = [g if k is not None else p for p, g, k in zip(packed, given, kept)]
     if order is None:
@@ -255,10 +255,11 @@ def _kept_as_given(plan: StepPlan, grads, reduced: bool) -> list:
     no groups, as with full sharding over FSDP axes) of gradients narrower than the masters.
 
     Their values are kept in that dtype and promoted exactly where they are read (the
-    norms sum them in fp32; momentum arithmetic promotes), so the step's values are the same
-    bits; an fp32 copy of every local gradient is not made (4 GB per device at 8B, fsdp 8).
-    Elementwise buffers keep fp32: an optax transform may scale a gradient before mixing it
-    with fp32 state, which would round in the narrow dtype.
+    norms sum them in fp32; momentum arithmetic promotes), and no fp32 copy of every local
+    gradient is made (3.5 GB per device at 8B, fsdp 8). The optimizer then reads the
+    gradients as their dtype holds them, where packed as fp32 XLA was free to skip their
+    rounding (its excess precision). Elementwise buffers keep fp32: an optax transform may
+    scale a gradient before mixing it with fp32 state, which would round in the narrow dtype.
     """
     if reduced or plan.axes.num_data != 1:
         return [None] * len(plan.buffers)
