@@ -206,11 +206,7 @@ def update_and_gather(
         )
         delta_sq += d
         previous = masters[i][k]
-        if gather and plan.buffers[i].dp == 1:
-            # Nothing to gather: the leaves are cast as they are read from the new masters,
-            # with no copy of the bucket in the parameter dtype.
-            gathered[i][k] = previous
-        elif gather:
+        if gather:
             previous = previous.astype(plan.buffers[i].key.param_dtype)
             gathered[i][k] = gather_shard(plan, i, previous, views[i][k].rank)
     return masters, moments, gathered if gather else None, delta_sq

@@ -108,7 +108,7 @@ def _updates(plan: StepPlan, view: BucketView, grad, momentum, skip, write: bool
     out = {}
     for j in (j for j, dealt in enumerate(view.dealt) if dealt):
         group, offsets = view.groups[j], view.offsets(view.groups[j])
-        update, new = muon_lib.muon_momentum(
+        update, new = muon_lib.muon_momentum(  # with write, the update is read back below
             shards.take(grad, offsets, group.shape, plan.transpose),
             shards.take(momentum, offsets, group.shape, plan.transpose),
             config=plan.muon,
