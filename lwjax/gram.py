@@ -3,7 +3,7 @@
 Newton–Schulz forms two symmetric products a step: :math:`A = X X^\\top` and
 :math:`A^2 = A A^\\top`. A general matmul computes both triangles; here a
 Pallas (Triton) kernel computes the tiles on and above the diagonal and writes
-each off-diagonal tile a second time, transposed, below it:
+each off-diagonal tile a second time, transposed, below it (:func:`upper_gram`):
 
 .. math::
 
@@ -11,7 +11,10 @@ each off-diagonal tile a second time, transposed, below it:
 
 which is nearly half the multiply-adds and an exactly symmetric result. Each tile
 accumulates in fp32 over ``BLOCK_K``-wide slices of the contracted axis, then
-rounds once to the output dtype. Below ``MIN_SIZE`` the kernel's tiles lose to
+rounds once to the output dtype. :func:`polynomial` forms the step's whole factor
+:math:`a I + b A + c A^2` the same way, each tile of :math:`A^2` combined in fp32
+with the same tile of :math:`a I + b A` before it rounds: no fp32 :math:`A^2` is
+written, and no pass over it follows. Below ``MIN_SIZE`` the kernel's tiles lose to
 cuBLAS, so :func:`fits` turns those stacks down (timings: docs/benchmarks.md).
 
 The kernel needs a GPU with bf16 tensor cores (Ampere or newer). It has no
@@ -106,29 +109,109 @@ def _upper_gram(x: jax.Array, axis: int, dtype, interpret: bool) -> jax.Array:
     return out.reshape(*x.shape[:-2], size, size)
 
 
+def polynomial(
+    gram: jax.Array, coefficients: tuple[float, float, float], *, interpret: bool = False
+) -> jax.Array:
+    r""":math:`F = a I + b A + c A^2` per matrix of a symmetric bf16 stack :math:`A`, in bf16.
+
+    :math:`A^2` is taken as :math:`A A^\top` from its upper tiles, each
+    accumulated in fp32 as :func:`upper_gram`'s are; the tile of :math:`F` is
+    then :math:`(a I + b A) + c A^2` in fp32, rounded once, and written with
+    its mirror. The coefficients are an operand, so the five steps of a
+    Newton–Schulz run share one kernel per stack shape.
+
+    Args:
+      gram: Array ``[..., s, s]`` of bf16, symmetric (``upper_gram``'s output).
+      coefficients: ``(a, b, c)``.
+      interpret: Run the kernel in Pallas' interpreter (any backend; for tests).
+
+    Raises:
+      ValueError: If the stack is not square or not one :func:`fits` takes.
+    """
+    if gram.ndim < 2 or gram.shape[-1] != gram.shape[-2] or not fits(gram.shape, -1, gram.dtype):
+        raise ValueError(
+            "polynomial: expected a square bf16 [..., s, s] stack with s a multiple of "
+            f"{BLOCK} and at least {MIN_SIZE}; got {gram.shape=}, {gram.dtype=}."
+        )
+    a, b, c = coefficients
+    return _polynomial(gram, jnp.asarray([a, b, c, 0.0], jnp.float32), interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _polynomial(gram: jax.Array, coefficients: jax.Array, interpret: bool) -> jax.Array:
+    """:func:`polynomial` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
+    size = gram.shape[-1]
+    tiles = size // BLOCK
+    stack = gram.reshape(-1, size, size)
+    out = pl.pallas_call(
+        functools.partial(_polynomial_tiles, steps=size // BLOCK_K),
+        out_shape=jax.ShapeDtypeStruct(stack.shape, gram.dtype),
+        grid=(stack.shape[0], tiles, tiles),
+        in_specs=[
+            pl.BlockSpec((4,), lambda n, i, j: (0,)),
+            pl.BlockSpec((None, size, size), lambda n, i, j: (n, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, size, size), lambda n, i, j: (n, 0, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
+        interpret=interpret,
+    )(coefficients, stack)
+    return out.reshape(gram.shape)
+
+
+def _tile_product(x_ref, i, j, steps: int, transposed: bool) -> jax.Array:
+    """Tile ``(i, j)`` of :math:`X X^\top` (:math:`X^\top X` if ``transposed``), fp32."""
+
+    def accumulate(step, acc):
+        depth = pl.ds(pl.multiple_of(step * BLOCK_K, BLOCK_K), BLOCK_K)
+        if transposed:  # x is [depth, size]
+            return acc + pltriton.dot(
+                x_ref[depth, pl.ds(i * BLOCK, BLOCK)],
+                x_ref[depth, pl.ds(j * BLOCK, BLOCK)],
+                trans_a=True,
+            )
+        return acc + pltriton.dot(
+            x_ref[pl.ds(i * BLOCK, BLOCK), depth],
+            x_ref[pl.ds(j * BLOCK, BLOCK), depth],
+            trans_b=True,
+        )
+
+    return lax.fori_loop(0, steps, accumulate, jnp.zeros((BLOCK, BLOCK), jnp.float32))
+
+
+def _store_with_mirror(out_ref, i, j, tile: jax.Array) -> None:
+    """Write ``tile`` at ``(i, j)`` and, off the diagonal, its transpose at ``(j, i)``."""
+    out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = tile.astype(out_ref.dtype)
+
+    @pl.when(i < j)
+    def _():
+        out_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)] = tile.T.astype(out_ref.dtype)
+
+
 def _upper_tiles(x_ref, out_ref, *, steps: int, transposed: bool):
     """Program ``(n, i, j)``: tile ``(i, j)`` of matrix ``n`` and its mirror, if ``i <= j``."""
     i, j = pl.program_id(1), pl.program_id(2)
 
     @pl.when(i <= j)
     def _():
-        def accumulate(step, acc):
-            depth = pl.ds(pl.multiple_of(step * BLOCK_K, BLOCK_K), BLOCK_K)
-            if transposed:  # x is [depth, size]
-                return acc + pltriton.dot(
-                    x_ref[depth, pl.ds(i * BLOCK, BLOCK)],
-                    x_ref[depth, pl.ds(j * BLOCK, BLOCK)],
-                    trans_a=True,
-                )
-            return acc + pltriton.dot(
-                x_ref[pl.ds(i * BLOCK, BLOCK), depth],
-                x_ref[pl.ds(j * BLOCK, BLOCK), depth],
-                trans_b=True,
-            )
+        _store_with_mirror(out_ref, i, j, _tile_product(x_ref, i, j, steps, transposed))
 
-        tile = lax.fori_loop(0, steps, accumulate, jnp.zeros((BLOCK, BLOCK), jnp.float32))
-        out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = tile.astype(out_ref.dtype)
 
-        @pl.when(i < j)
-        def _():
-            out_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)] = tile.T.astype(out_ref.dtype)
+def _polynomial_tiles(coefficients_ref, a_ref, out_ref, *, steps: int):
+    """Program ``(n, i, j)``: tile ``(i, j)`` of ``a I + b A + c A A^T`` and its mirror, if
+    ``i <= j``; the same sums, in the same order, as the factor XLA would form from
+    :func:`upper_gram`'s fp32 ``A A^T``."""
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(i <= j)
+    def _():
+        square = _tile_product(a_ref, i, j, steps, transposed=False)
+        slot = lax.broadcasted_iota(jnp.int32, (4,), 0)
+        coefficients = coefficients_ref[...]
+        a, b, c = (jnp.sum(jnp.where(slot == k, coefficients, 0.0)) for k in range(3))
+        rows = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+        cols = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+        eye = jnp.where((rows == cols) & (i == j), 1.0, 0.0)
+        linear = a * eye + b * a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(
+            jnp.float32
+        )
+        _store_with_mirror(out_ref, i, j, linear + c * square)

@@ -173,14 +173,15 @@ def _iterate_folded(
     contracts, so no pass transposes ``y``.
 
     On bf16 stacks that :func:`lwjax.gram.fits`, both symmetric products
-    compute only their upper tiles (:func:`lwjax.gram.upper_gram`).
+    compute only their upper tiles (:func:`lwjax.gram.upper_gram`), and the
+    factor comes out of the second one's kernel (:func:`lwjax.gram.polynomial`).
     ``reduce`` sums each Gram matrix (in ``acc_dtype``, before it rounds) over
     the devices holding blocks of the contracted axis.
     """
     dot = functools.partial(_contract, precision=precision)
     axis = -2 if tall else -1
     eye = jnp.eye(y.shape[-1] if tall else y.shape[-2], dtype=acc_dtype)
-    use_kernel = gram_lib.fits(y.shape, axis, y.dtype)
+    use_kernel = gram_lib.fits(y.shape, axis, y.dtype) and acc_dtype == jnp.float32
     gram_dtype = y.dtype if reduce is None else acc_dtype
     for a, b, c in steps:
         if use_kernel:  # upper tiles only; the exactly symmetric A makes A A^T equal A A
@@ -190,10 +191,10 @@ def _iterate_folded(
         if reduce is not None:
             gram = reduce(gram).astype(y.dtype)
         if use_kernel:
-            square = gram_lib.upper_gram(gram, -1, acc_dtype)
+            factor = gram_lib.polynomial(gram, (a, b, c))
         else:
             square = dot(gram, gram, -1, -2, dtype=acc_dtype)
-        factor = (a * eye + b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
+            factor = (a * eye + b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
         y = dot(y, factor, -1, -1, dtype=y.dtype) if tall else dot(factor, y, -1, -2, dtype=y.dtype)
     return y
 

@@ -16,6 +16,7 @@ def small_grams(monkeypatch):
     """Let the kernel take 256-edge Gram matrices (two tiles a side) and run it interpreted."""
     monkeypatch.setattr(gram, "MIN_SIZE", 2 * gram.BLOCK)
     monkeypatch.setattr(gram, "upper_gram", functools.partial(gram.upper_gram, interpret=True))
+    monkeypatch.setattr(gram, "polynomial", functools.partial(gram.polynomial, interpret=True))
 
 
 def _bf16(seed, *shape):
@@ -36,6 +37,31 @@ def test_upper_gram_matches_float64_and_is_exactly_symmetric(small_grams, axis, 
     # fp32 accumulation of exact bf16 products; a bf16 output rounds once more (8 bits).
     rtol = 2.0**-7 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 256), (2, 3, 384, 384)], ids=["2", "2x3"])
+def test_polynomial_is_the_factor_xla_forms_from_the_fp32_square(small_grams, shape):
+    """The kernel's ``a I + b A + c A A^T`` against the same sums formed by XLA from
+    ``upper_gram``'s fp32 square (the previous step), and against float64: symmetric
+    exactly, and within the one bf16 rounding both share."""
+    x = _bf16(1, *shape[:-1], 512)
+    a_mat = gram.upper_gram(x, -1, jnp.bfloat16) / 512
+    a_mat = a_mat.astype(jnp.bfloat16)
+    a, b, c = 3.4445, -4.7750, 2.0315
+    out = np.asarray(gram.polynomial(a_mat, (a, b, c)), np.float64)
+    square = gram.upper_gram(a_mat, -1, jnp.float32)
+    eye = jnp.eye(shape[-1], dtype=jnp.float32)
+    xla = np.asarray((a * eye + b * a_mat.astype(jnp.float32) + c * square).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+    np.testing.assert_array_equal(out, xla.astype(np.float64))
+    a64 = np.asarray(a_mat, np.float64)
+    expected = a * np.eye(shape[-1]) + b * a64 + c * a64 @ a64
+    np.testing.assert_allclose(out, expected, rtol=2.0**-7, atol=2.0**-7 * np.abs(expected).max())
+
+
+def test_polynomial_rejects_a_stack_that_is_not_square():
+    with pytest.raises(ValueError, match=r"gram.shape=\(2048, 4096\)"):
+        gram.polynomial(jnp.zeros((2048, 4096), jnp.bfloat16), (1.0, 1.0, 1.0))
 
 
 @pytest.mark.parametrize(
@@ -104,10 +130,13 @@ def test_folded_newton_schulz_with_the_kernel_stays_as_near_fp32(
     monkeypatch.setattr(
         gram, "upper_gram", lambda *a, _f=gram.upper_gram, **k: calls.append(a[1]) or _f(*a, **k)
     )
+    monkeypatch.setattr(
+        gram, "polynomial", lambda *a, _f=gram.polynomial, **k: calls.append(a[1]) or _f(*a, **k)
+    )
     outs = {}
     with jax.disable_jit():
         outs["kernel"] = np.asarray(run(), np.float32)
-        assert calls == [-2 if tall else -1, -1] * len(steps)
+        assert calls == [x for abc in steps for x in (-2 if tall else -1, abc)]
         monkeypatch.setattr(gram, "fits", lambda *a: False)
         outs["xla"] = np.asarray(run(), np.float32)
     errors = {
@@ -128,6 +157,7 @@ def test_kernel_is_built_once_per_stack_shape_in_a_traced_step(small_grams, monk
     )
     steps = ns_lib._coefficient_schedule("quintic", 5)
     x = jnp.zeros((2, 256, 512), jnp.bfloat16)
+    jax.clear_caches()  # the kernels' jits may hold these shapes from other tests
     jax.jit(
         lambda x: ns_lib._iterate_folded(
             x, steps, precision=jax.lax.Precision.DEFAULT, acc_dtype=jnp.float32
