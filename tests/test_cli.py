@@ -397,7 +397,10 @@ def test_bench_optimizer_step_reports_the_gradient_norm_it_was_given(capsys):
         > 0
     )
     assert record["floor_sum_back_to_back_ms"] == pytest.approx(
-        record["rs_back_to_back_ms"] + record["ag_back_to_back_ms"] + record["ns_ms"]
+        record["rs_back_to_back_ms"]
+        + record["ag_back_to_back_ms"]
+        + record["ns_ms"]
+        + record["bytes_ms"]
     )
     assert record["grad_norm"] == pytest.approx(2e-5 * (record["params"] / 2) ** 0.5, rel=0.02)
     assert main(["bench", "--grad-std", "0"]) == 2
@@ -509,11 +512,8 @@ def test_bench_time_back_to_back_runs_the_steps_back_to_back_and_divides_by_thei
     assert 0.02 <= seconds < 0.1  # five sleeps of 20 ms over five steps
 
 
-def test_bench_floor_matmul_rate_is_one_products_rate():
-    """The floor times a chain of products per call; its rate is per product, as one
-    timed product's is."""
-    import time
-
+def _small_bench_optimizer(dp: int, dtype, precision: str):
+    """``(mesh, params, optimizer)`` of the bench's one-layer small workload on ``dp`` devices."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -521,54 +521,8 @@ def test_bench_floor_matmul_rate_is_one_products_rate():
     from lwjax.tools import bench
 
     config = bench.workload_config("small", 1)
-    shapes = bench.workload_shapes(config)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
-    params = bench.constant_params(shapes, mesh, jax.numpy.float32)
-    opt = bench.workload_optimizer(
-        params,
-        mesh,
-        config,
-        ns_precision="medium",
-        grad_reduce_in_fp32=True,
-        policy="ns_cost",
-        bucket_size="auto",
-    )
-    floor = bench.optimizer_step_floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh)
-    # Off CUDA Newton-Schulz runs full products: the FLOPs it computes are Megatron's.
-    assert bench.symmetric_share(mesh.devices.flat[0], "medium") is None
-    assert floor["ns_gflop_computed_max_rank"] == floor["ns_gflop_max_rank"] > 0
-    assert floor["floor_sum_computed_ms"] == floor["floor_sum_ms"]
-    a = jax.numpy.ones((1024, 1024), jax.numpy.bfloat16)
-    product = jax.jit(lambda x: x @ x)
-    product(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        product(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    one = 2 * 1024**3 / min(times) / 1e12
-    assert 1 / 3 < floor["matmul_tflops"] / one < 3
-
-
-@pytest.mark.parametrize("precision, counted", [("medium", True), ("highest", False)])
-def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
-    monkeypatch, capsys, precision, counted
-):
-    """With the CUDA branch taken (patched in) the computed floor counts the kernel's
-    share, and the table shows it."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    from lwjax import gram
-    from lwjax.tools import bench
-
-    monkeypatch.setattr(gram, "MIN_SIZE", 256)  # the small workload's 256-row matrices
-    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
-    config = bench.workload_config("small", 1)
-    shapes = bench.workload_shapes(config)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
-    params = bench.constant_params(shapes, mesh, jax.numpy.float32)
+    mesh = Mesh(np.array(jax.devices()[:dp]), ("dp",))
+    params = bench.constant_params(bench.workload_shapes(config), mesh, dtype)
     opt = bench.workload_optimizer(
         params,
         mesh,
@@ -578,15 +532,96 @@ def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
         policy="ns_cost",
         bucket_size="auto",
     )
+    return mesh, params, opt
+
+
+def _best_seconds(fn, x) -> float:
+    """The fastest of five synchronised calls of ``fn(x)``, after one."""
+    import time
+
+    fn(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_bench_floor_matmul_rate_is_one_products_rate():
+    """The floor times a chain of products per call; its rate is per product, as one
+    timed product's is."""
+    import jax
+
+    from lwjax.tools import bench
+
+    mesh, _, opt = _small_bench_optimizer(2, jax.numpy.float32, "medium")
+    floor = bench.optimizer_step_floor(bench.BenchConfig(iters=3, warmup=1), opt, mesh, 0)
+    # Off CUDA Newton-Schulz runs full products: the FLOPs it computes are Megatron's.
+    assert bench.symmetric_share(mesh.devices.flat[0], "medium") is None
+    assert floor["ns_gflop_computed_max_rank"] == floor["ns_gflop_max_rank"] > 0
+    assert floor["floor_sum_computed_ms"] == floor["floor_sum_ms"]
+    seconds = _best_seconds(jax.jit(lambda x: x @ x), jax.numpy.ones((1024, 1024), "bfloat16"))
+    assert 1 / 3 < floor["matmul_tflops"] / (2 * 1024**3 / seconds / 1e12) < 3
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_bench_floor_bytes_are_the_state_read_and_written_and_the_gradients_read_twice(dp):
+    """The floor's memory term, against the arrays themselves: every state array a device
+    holds read and written, its gradients read twice (bf16 as given at dp 1, the fp32
+    reduction's shard at dp 2), its parameters written once; and the copy rate is one
+    streamed copy's, timed here."""
+    import jax
+    import numpy as np
+
+    from lwjax.tools import bench
+
+    mesh, params, opt = _small_bench_optimizer(dp, jax.numpy.bfloat16, "medium")
+    shapes = bench.workload_shapes(bench.workload_config("small", 1))
+    device = mesh.devices.flat[0]
+    state = sum(
+        s.data.nbytes
+        for leaf in jax.tree.leaves(opt.init(params))
+        for s in leaf.addressable_shards
+        if s.device == device
+    )
+    # Padding aside, a device's share of the parameters and gradients is 1/dp of the model's.
+    numel = sum(
+        int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    )
+    padded = sum(b.numel for b in opt.plan.buffers)
+    assert numel <= padded < 1.05 * numel
+    grad_bytes = 2 if dp == 1 else 4
+    assert bench.step_bytes(opt.plan, dp, state) == 2 * state + (2 * grad_bytes + 2) * padded // dp
+
+    x = jax.numpy.zeros((2**22,), jax.numpy.float32)
+    one = 2 * x.nbytes / _best_seconds(jax.jit(lambda x: x + 1), x)
+    assert 1 / 3 < bench.copy_bandwidth(device, 3, 1) / one < 3
+
+
+@pytest.mark.parametrize("precision, counted", [("medium", True), ("highest", False)])
+def test_bench_floor_counts_the_upper_tile_kernel_where_the_cuda_branch_runs(
+    monkeypatch, capsys, precision, counted
+):
+    """With the CUDA branch taken (patched in) the computed floor counts the kernel's
+    share, and the table shows it."""
+    import jax
+
+    from lwjax import gram
+    from lwjax.tools import bench
+
+    monkeypatch.setattr(gram, "MIN_SIZE", 256)  # the small workload's 256-row matrices
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    mesh, _, opt = _small_bench_optimizer(2, jax.numpy.float32, precision)
     assert (
         bench.symmetric_share(mesh.devices.flat[0], precision) is gram.computed_share
     ) is counted
     floor = bench.optimizer_step_floor(
-        bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh
+        bench.BenchConfig(iters=2, warmup=1, ns_precision=precision), opt, mesh, 0
     )
     assert (floor["ns_gflop_computed_max_rank"] < floor["ns_gflop_max_rank"]) is counted
     assert floor["floor_sum_computed_ms"] == pytest.approx(
-        floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"]
+        floor["rs_ms"] + floor["ag_ms"] + floor["ns_computed_ms"] + floor["bytes_ms"]
     )
     record = dict(
         workload="small",
@@ -705,7 +740,8 @@ def _bench_records():
         dict(base, contender="optax muon (replicated)", step_ms=20.0, grad_norm=1.0),
     ]
     optimizer[0].update(floor_sum_ms=9.0, floor_sum_back_to_back_ms=8.0, back_to_back_ms=12.0)
-    optimizer[0].update(rs_ms=1.0, ag_ms=2.0, ns_ms=6.0)
+    optimizer[0].update(rs_ms=1.0, ag_ms=2.0, ns_ms=5.0, bytes_ms=1.0)
+    optimizer[0].update(step_gbytes=3.0, copy_gbytes_per_s=3000.0)
     train = dict(base, micro_batch=4, seq_len=2048, remat=True, param_dtype="bfloat16", mfu=0.4)
     step = [
         dict(train, contender="lwjax Muon, parameters gathered in the forward", step_ms=100.0),

@@ -192,7 +192,9 @@ def print_bench(records: Sequence[dict]) -> None:
         )
         if "floor_sum_ms" in r:
             rows.add_row(
-                f"  floor: RS {r['rs_ms']:.2f} + AG {r['ag_ms']:.2f} + NS {r['ns_ms']:.2f} ms",
+                f"  floor: RS {r['rs_ms']:.2f} + AG {r['ag_ms']:.2f} + NS {r['ns_ms']:.2f} "
+                f"+ bytes {r['bytes_ms']:.2f} ms ({r['step_gbytes']:.2f} GB at "
+                f"{r['copy_gbytes_per_s']:.0f} GB/s)",
                 str(r["dp"]),
                 f"{r['floor_sum_ms']:.2f}",
                 f"{r['floor_sum_back_to_back_ms']:.2f}",

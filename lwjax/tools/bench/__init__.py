@@ -9,7 +9,7 @@ One module per concern:
 * :mod:`~lwjax.tools.bench.timing`: synchronised and back-to-back timing, warm-up, PGLE;
 * :mod:`~lwjax.tools.bench.profile`: traced kernels per kind, communication beside compute;
 * :mod:`~lwjax.tools.bench.compiled`: a compiled step's memory and collectives;
-* :mod:`~lwjax.tools.bench.floor`: the Newton–Schulz and communication floors;
+* :mod:`~lwjax.tools.bench.floor`: the Newton–Schulz, memory and communication floors;
 * :mod:`~lwjax.tools.bench.megatron_scripts`: Megatron-Core's own benchmarks under torchrun;
 * :mod:`~lwjax.tools.bench.optimizer_contenders` and
   :mod:`~lwjax.tools.bench.optimizer_bench`: the optimizer step's contenders and
@@ -28,8 +28,10 @@ from lwjax.tools.bench.compiled import collectives
 from lwjax.tools.bench.config import TRAIN_DEFAULTS, BenchConfig, TrainBenchConfig
 from lwjax.tools.bench.floor import (
     MATMUL_CHAIN,
+    copy_bandwidth,
     newton_schulz_floor,
     optimizer_step_floor,
+    step_bytes,
     symmetric_share,
 )
 from lwjax.tools.bench.fsdp import FSDP_AXIS, fsdp_param_gather, fsdp_params, fsdp_specs
@@ -140,11 +142,13 @@ __all__ = [
     "megatron_optimizer_step",
     "megatron_train_records",
     "model_flops_per_token",
+    "copy_bandwidth",
     "newton_schulz_floor",
     "optax_adamw",
     "optax_step",
     "optimizer_step",
     "optimizer_step_floor",
+    "step_bytes",
     "pgle",
     "profile_steps",
     "replicated",

@@ -2,8 +2,9 @@
 
 :func:`newton_schulz_floor` is the busiest device's Newton–Schulz
 (:func:`lwjax.parallel.ns_deal.device_ns_flops`) at the measured matmul rate (the compute
-Muon adds to a step); :func:`optimizer_step_floor` adds the bare reduce-scatter and all-gather
-of the optimizer step's buffers.
+Muon adds to a step); :func:`step_bytes` at :func:`copy_bandwidth` is the memory traffic no
+formulation of the update avoids; :func:`optimizer_step_floor` adds the bare reduce-scatter and
+all-gather of the optimizer step's buffers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lwjax.parallel.ns_deal import device_ns_flops
 from lwjax.tools.bench.timing import time_back_to_back, time_steps
 
 MATMUL_CHAIN = 8  # products per timed call when measuring the floor's matmul rate
+GRADIENT_READS = 2  # the clip's global norm must be known before the update reads them again
 
 
 def symmetric_share(device, ns_precision: str):
@@ -75,13 +77,49 @@ def newton_schulz_floor(plan, mesh, ns_precision: str, iters: int, warmup: int) 
     )
 
 
-def optimizer_step_floor(cfg, opt, mesh) -> dict:
+def step_bytes(plan, dp: int, state_bytes: int) -> int:
+    r"""The fewest bytes one device's optimizer step moves through its memory.
+
+    .. math:: B = 2 S + 2 G + W
+
+    ``S``: the device's optimizer state (fp32 masters and moments), read and
+    written once. ``G``: its share of the gradients, read twice (the clip's
+    global norm is needed before the update can read them again); in the
+    parameters' dtype at dp 1, where nothing reduces them, else in the
+    reduction dtype the reduce-scatter leaves them in. ``W``: its share of
+    the parameters, written once. Newton–Schulz's own operands are left to
+    its FLOPs (:func:`newton_schulz_floor`): a product can read them as it
+    computes.
+    """
+    grads = params = 0
+    for b in plan.buffers:
+        shard = b.numel // dp
+        grad_dtype = b.key.param_dtype if dp == 1 else b.key.grad_dtype
+        grads += shard * jnp.dtype(grad_dtype).itemsize
+        params += shard * jnp.dtype(b.key.param_dtype).itemsize
+    return 2 * state_bytes + GRADIENT_READS * grads + params
+
+
+def copy_bandwidth(device, iters: int, warmup: int) -> float:
+    """Bytes per second ``device`` streams through its memory: ``x + 1`` over a large fp32
+    array (read once, written once; 4 GiB on a GPU), the best of three medians of ``iters``
+    calls."""
+    size = 2**22 if device.platform == "cpu" else 2**30
+    x = jax.device_put(jnp.zeros((size,), jnp.float32), device)
+    add = jax.jit(lambda x: x + 1)
+    seconds = min(time_steps(lambda *_: (add(x),), (), iters, warmup)[0] for _ in range(3))
+    return 2 * x.nbytes / seconds
+
+
+def optimizer_step_floor(cfg, opt, mesh, state_bytes: int) -> dict:
     """The no-overlap floor of one optimizer step on these devices, measured in JAX.
 
     Communication: a bare ``psum_scatter`` of every gradient buffer plus a
     bare ``all_gather`` of every parameter block, at the step's exact sizes
     and dtypes, each timed as the step is (synchronised, and back to back).
-    Compute: :func:`newton_schulz_floor`. ``floor_sum_computed_ms`` counts the
+    Compute: :func:`newton_schulz_floor`. Memory: :func:`step_bytes` of the
+    device holding ``state_bytes`` of optimizer state, at :func:`copy_bandwidth`
+    (``bytes_ms``). ``floor_sum_computed_ms`` counts the
     Newton–Schulz FLOPs lwjax computes instead of Megatron's. ``cfg`` is the
     :class:`~lwjax.tools.bench.config.BenchConfig` (its ``iters``, ``warmup`` and
     ``ns_precision``).
@@ -131,17 +169,22 @@ def optimizer_step_floor(cfg, opt, mesh) -> dict:
 
     (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
     ns = newton_schulz_floor(plan, mesh, cfg.ns_precision, cfg.iters, cfg.warmup)
-    rs_ms, ag_ms = rs_s * 1e3, ag_s * 1e3
+    moved = step_bytes(plan, dp, state_bytes)
+    bandwidth = copy_bandwidth(mesh.devices.flat[0], cfg.iters, cfg.warmup)
+    rs_ms, ag_ms, bytes_ms = rs_s * 1e3, ag_s * 1e3, moved / bandwidth * 1e3
     return dict(
         rs_ms=rs_ms,
         ag_ms=ag_ms,
         **ns,
-        floor_sum_ms=rs_ms + ag_ms + ns["ns_ms"],
-        floor_sum_computed_ms=rs_ms + ag_ms + ns["ns_computed_ms"],
-        floor_max_ms=max(rs_ms + ag_ms, ns["ns_ms"]),
+        step_gbytes=moved / 1e9,
+        copy_gbytes_per_s=bandwidth / 1e9,
+        bytes_ms=bytes_ms,
+        floor_sum_ms=rs_ms + ag_ms + ns["ns_ms"] + bytes_ms,
+        floor_sum_computed_ms=rs_ms + ag_ms + ns["ns_computed_ms"] + bytes_ms,
+        floor_max_ms=max(rs_ms + ag_ms, ns["ns_ms"] + bytes_ms),
         rs_back_to_back_ms=rs_b2b * 1e3,
         ag_back_to_back_ms=ag_b2b * 1e3,
-        floor_sum_back_to_back_ms=(rs_b2b + ag_b2b) * 1e3 + ns["ns_ms"],
+        floor_sum_back_to_back_ms=(rs_b2b + ag_b2b) * 1e3 + ns["ns_ms"] + bytes_ms,
     )
 
 

@@ -198,7 +198,7 @@ def _lwjax_fields(cfg: BenchConfig, config: GPTConfig, mesh: Mesh) -> dict:
     """lwjax's record: its settings, its times and state, and its floor (or why there is none)."""
     seconds, back_to_back, nbytes, opt, profile, grad_norm = time_lwjax(cfg, config, mesh)
     if cfg.tp == 1:
-        floor = optimizer_step_floor(cfg, opt, mesh)
+        floor = optimizer_step_floor(cfg, opt, mesh, nbytes)
     else:
         floor = dict(floor_skipped=TP_FLOOR_SKIPPED)
         if cfg.baselines:
