@@ -146,7 +146,12 @@ def with_host_speculation(
     on_host = chosen_on_host(compiled, state_index)
 
     def step(*args):
-        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
-        return (in_one if traced else on_host)(*args)
+        return (in_one if is_traced(args) else on_host)(*args)
 
     return step
+
+
+def is_traced(args) -> bool:
+    """Whether any leaf of ``args`` is a tracer: the call is inside another ``jax.jit`` (or
+    other transformation), not from the host."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))

@@ -16,12 +16,14 @@ from lwjax.optimizer import LayerwiseOptimizer, named_shardings
 from lwjax.parallel.axes import as_axis_tuple
 from lwjax.parallel.gather import WHOLE
 from lwjax.sharded_gradients import batch_axes, check_fsdp_axes, sharded_gradients
-from lwjax.speculation import with_host_speculation
+from lwjax.speculation import is_traced, with_host_speculation
 from lwjax.state import LayerwiseState
 from lwjax.train_options import TrainStepOptions
 
 
-def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=()) -> Callable:
+def jit_shard_map(
+    fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnums=(), compiler_options=None
+) -> Callable:
     """``jax.jit(jax.shard_map(fn, ..., check_vma=False))``, donated arguments paired with outputs.
 
     The jit is given ``out_shardings`` (``out_specs`` on ``mesh``), so JAX
@@ -38,6 +40,7 @@ def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnu
       in_specs, out_specs: ``PartitionSpec`` pytrees (prefixes) of the
         arguments and results, as for ``shard_map``.
       donate_argnums: Arguments whose buffers the call may reuse, as for ``jax.jit``.
+      compiler_options: XLA's options, as for ``jax.jit``.
 
     Returns:
       The jitted function.
@@ -46,6 +49,7 @@ def jit_shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs, *, donate_argnu
         jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False),
         out_shardings=named_shardings(mesh, out_specs),
         donate_argnums=donate_argnums,
+        compiler_options=compiler_options,
     )
 
 
@@ -411,17 +415,37 @@ def _compiled_steps(adapter: LossAdapter, optimizer, options, param_specs, *, do
         in_specs = (param_specs, state_specs, P(), P(axes), P())
         out_specs = (param_specs, state_specs, P(), P(), *flag)
         donate_argnums = (0, 1, 2) if donate else ()
-        if adapter.per_device and optimizer.param_axes is None:
-            step = lambda *args: local_step(*args, speculate)  # noqa: E731
-            return jit_shard_map(step, mesh, in_specs, out_specs, donate_argnums=donate_argnums)
-        step = sharded_step if adapter.per_device else global_step
-        return jax.jit(
-            lambda *args: step(*args, speculate),
-            out_shardings=named_shardings(mesh, out_specs),
-            donate_argnums=donate_argnums,
-        )
+
+        def jitted(compiler_options):
+            if adapter.per_device and optimizer.param_axes is None:
+                step = lambda *args: local_step(*args, speculate)  # noqa: E731
+                return jit_shard_map(
+                    step,
+                    mesh,
+                    in_specs,
+                    out_specs,
+                    donate_argnums=donate_argnums,
+                    compiler_options=compiler_options,
+                )
+            step = sharded_step if adapter.per_device else global_step
+            return jax.jit(
+                lambda *args: step(*args, speculate),
+                out_shardings=named_shardings(mesh, out_specs),
+                donate_argnums=donate_argnums,
+                compiler_options=compiler_options,
+            )
+
+        return _with_compiler_options(jitted, options.compiler_options)
 
     return compiled
+
+
+def _with_compiler_options(jitted: Callable, compiler_options) -> Callable:
+    """``jitted(compiler_options)`` called from the host; ``jitted(None)`` called inside another
+    trace, whose compilation the outer ``jax.jit`` owns (JAX takes compiler options only at the
+    top level)."""
+    top, nested = jitted(dict(compiler_options)), jitted(None)
+    return lambda *args: (nested if is_traced(args) else top)(*args)
 
 
 def _host_side(step, adapter: LossAdapter, optimizer, options, param_specs) -> Callable:

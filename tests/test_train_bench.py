@@ -442,6 +442,9 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
         )
         assert (r["iters"], r["warmup"]) == (1, 0)
     assert "Training step" in out and "Muon overhead" in out and tb.ADAMW_REPLICATED in out
+    # Every step compiled with make_train_step's XLA options, and the table says so.
+    assert all(r["compiler_options"] == {"xla_gpu_enable_triton_gemm": False} for r in records)
+    assert "XLA options: xla_gpu_enable_triton_gemm=False" in " ".join(out.split())
     # Each contender's floor: forward+backward's step, and Muon's Newton-Schulz on top.
     fwd_bwd = records[-1]["step_ms"]
     ns = muon["newton_schulz"]
@@ -449,6 +452,20 @@ def test_cli_train_step_writes_bench_json(tmp_path, capsys):
     assert 0 < ns["ns_computed_ms"] and ns["ns_gflop_max_rank"] == max(ns["ns_gflop_per_rank"])
     assert all(r["floor_ms"] == fwd_bwd for r in records[1:-1])
     assert "floor_ms" not in records[-1] and "over floor" in out and "Newton-Schulz" in out
+
+
+def test_cli_xla_defaults_compiles_the_steps_with_no_options(monkeypatch):
+    """``--xla-defaults``: the bench's steps get ``{}`` (XLA's defaults) instead of
+    ``make_train_step``'s options; without it, those options."""
+    from lwjax.train_options import STEP_COMPILER_OPTIONS
+
+    configs = []
+    monkeypatch.setattr("lwjax.tools.bench.run_train_bench", lambda c: configs.append(c) or [])
+    monkeypatch.setattr("lwjax.tools.commands.bench.print_train_bench", lambda records: None)
+    argv = ["bench", "--train-step", "--workload", "small", "--dp", "1"]
+    main([*argv, "--xla-defaults"])
+    main(argv)
+    assert [dict(c.compiler_options) for c in configs] == [{}, dict(STEP_COMPILER_OPTIONS)]
 
 
 def test_newton_schulz_floor_counts_every_muon_matrix_once_on_its_owner():

@@ -395,3 +395,34 @@ def test_overlapped_gather_keeps_the_signature_with_params_none_and_the_old_form
         lwjax.make_train_step(_mse, opt, options=options, overlap_param_gather=True)
     with pytest.raises(TypeError, match="overlap_param_gather must be a bool; got 1"):
         lwjax.TrainStepOptions(overlap_param_gather=1)
+
+
+def test_compiler_options_reach_xla_and_bad_ones_are_refused(tmp_path):
+    """``TrainStepOptions.compiler_options`` are the step's own XLA options: asked to dump
+    its modules, XLA writes this step's (and nothing else compiled here does); the same step
+    with the default options (Triton GEMM fusions off, which the CPU ignores) computes the
+    same bits, called from the host or inside a user's jit. A list, or names that are not
+    strings, are refused by name."""
+    params, batch = _linear_problem()
+    opt = lwjax.layerwise_muon(params, _mesh())
+    dump = tmp_path / "dump"
+    options = lwjax.TrainStepOptions(compiler_options={"xla_dump_to": str(dump)})
+    dumped = lwjax.make_train_step(_mse, opt, options=options, donate=False)
+    default = lwjax.make_train_step(_mse, opt, donate=False)
+    state = opt.init(params)
+    out_default = default(params, state, batch)
+    assert not dump.exists()
+    out_dumped = dumped(params, state, batch)
+    assert any("after_optimizations" in p.name for p in dump.iterdir())
+    for a, b in zip(jax.tree.leaves(out_default), jax.tree.leaves(out_dumped), strict=True):
+        assert _bytes(a) == _bytes(b)
+    # Called inside a jit of the user's own, whose compilation owns the options (JAX takes them
+    # only at the top level), the step compiles there and computes the same bits.
+    out_nested = jax.jit(default)(params, state, batch)
+    for a, b in zip(jax.tree.leaves(out_default), jax.tree.leaves(out_nested), strict=True):
+        assert _bytes(a) == _bytes(b)
+    assert dict(lwjax.TrainStepOptions().compiler_options) == {"xla_gpu_enable_triton_gemm": False}
+    with pytest.raises(TypeError, match="compiler_options must be a mapping of XLA option names"):
+        lwjax.TrainStepOptions(compiler_options=["xla_dump_to"])
+    with pytest.raises(TypeError, match="compiler_options must be a mapping"):
+        lwjax.TrainStepOptions(compiler_options={1: True})

@@ -4,8 +4,10 @@
 ``optax.contrib.muon`` steps (``lwjax.tools.bench``, dp 1 on the first device) and times each
 stage of ``jax.jit``'s compilation apart: ``trace`` (Python to jaxpr), ``lower`` (jaxpr to
 StableHLO) and ``compile`` (XLA's passes, on GPU the GEMM autotuner and the Pallas kernels' Triton
-compiles included), with the compiled module's size and custom calls. Environment switches,
-one process each: ``XLA_FLAGS=--xla_gpu_autotune_level=0`` (no autotuning), ``NO_GRAM_KERNEL=1``
+compiles included), with the compiled module's size and custom calls. Every step compiles with
+``make_train_step``'s XLA options (``lwjax.train_options.STEP_COMPILER_OPTIONS``: Triton GEMM
+fusions off). Environment switches, one process each: ``XLA_DEFAULTS=1`` (XLA's default
+options instead), ``XLA_FLAGS=--xla_gpu_autotune_level=0`` (no autotuning), ``NO_GRAM_KERNEL=1``
 (Newton–Schulz's symmetric products as plain matmuls, ``lwjax.gram.fits`` false).
 
 ``leaves COUNTS SECONDS`` trains one step of a model of ``n`` leaves (``n/2`` ``[32, 32]``
@@ -28,13 +30,16 @@ import time
 def _timed_stages(step, args) -> dict:
     import jax
 
+    from lwjax.train_options import STEP_COMPILER_OPTIONS
+
+    options = {} if os.environ.get("XLA_DEFAULTS") else dict(STEP_COMPILER_OPTIONS)
     jax.clear_caches()
     start = time.perf_counter()
     traced = step.trace(*args)
     traced_at = time.perf_counter()
     lowered = traced.lower()
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=options)
     done = time.perf_counter()
     text = compiled.as_text()
     return {

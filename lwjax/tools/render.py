@@ -223,7 +223,11 @@ def print_train_bench(records: Sequence[dict]) -> None:
         f"{count(first['params'])} params), {first['micro_batch']} × {first['seq_len']} tokens "
         f"per device, remat {'on' if first['remat'] else 'off'}, {first['param_dtype']}, "
         f"{'parameters fully sharded (FSDP), ' if first.get('fsdp') else ''}"
-        f"on {first['device']}, jax {first['jax']}"
+        f"on {first['device']}, jax {first['jax']}; XLA options: "
+        + (
+            ", ".join(f"{k}={v}" for k, v in first.get("compiler_options", {}).items())
+            or "XLA's defaults"
+        )
     )
     columns = (
         Column("contender", text=True, fold=True),

@@ -4,6 +4,7 @@ and :class:`TrainBenchConfig` (a full training step, ``lwjax bench --train-step`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from lwjax.layout import DEFAULT_POLICY
 from lwjax.megatron.gpt import GPTConfig
@@ -11,6 +12,7 @@ from lwjax.megatron.model import gpt_loss
 from lwjax.muon import TP_MODES
 from lwjax.tools.bench.timing import WARMUP_STEPS
 from lwjax.tools.bench.workloads import WORKLOADS, workload_config
+from lwjax.train_options import STEP_COMPILER_OPTIONS
 
 # (seq_len, micro_batch) per workload when not given: the GPU workloads at 2048 tokens, the
 # small one CPU-sized.
@@ -159,6 +161,11 @@ class TrainBenchConfig:
         record device 0's kernel time per kind and how much of the
         communication ran beside compute
         (:func:`lwjax.tools.bench.profile_steps`).
+      compiler_options: XLA's options for every contender's step,
+        ``make_train_step``'s by default
+        (:data:`lwjax.train_options.STEP_COMPILER_OPTIONS`); ``{}``: XLA's
+        defaults. Under ``pgle`` the steps compile through ``jax.jit`` with
+        XLA's defaults (each record says which it had).
     """
 
     workload: str = "small"
@@ -188,6 +195,7 @@ class TrainBenchConfig:
     overlap_param_gather: bool = False
     scan_layers: bool = True
     profile_dir: str | None = None
+    compiler_options: Mapping[str, bool | int | float | str] = STEP_COMPILER_OPTIONS
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:

@@ -260,8 +260,9 @@ def measure(contender: TrainContender, setting: TrainSetting, built: BuiltStep) 
     """Compile the built step on its arguments and the batch, time it, and record what it
     holds and, once more after the timed steps, what it returns (``contender.outputs``)."""
     cfg, batch, step, args = setting.cfg, setting.batch, built.step, built.args
-    compiled = step.lower(*args, batch).compile()
-    record = compiled_summary(compiled)
+    options = {} if cfg.pgle else dict(cfg.compiler_options)  # PGLE compiles through jax.jit
+    compiled = step.lower(*args, batch).compile(compiler_options=options)
+    record = dict(compiled_summary(compiled), compiler_options=options)
     # Under PGLE the step is called through jit, which profiles the first calls and recompiles; the
     # executable compiled above only gives the memory figures then.
     run = step if cfg.pgle else compiled

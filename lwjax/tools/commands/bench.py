@@ -15,6 +15,7 @@ import pathlib
 
 from lwjax.layout import DEFAULT_POLICY, POLICIES
 from lwjax.tools.render import print_bench, print_json, print_train_bench, require_rich
+from lwjax.train_options import STEP_COMPILER_OPTIONS
 
 # lwjax.muon.TP_MODES (that module imports jax; this command is parsed without it)
 TP_MODES = ("duplicated", "distributed", "blockwise")
@@ -105,6 +106,7 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         overlap_param_gather=args.overlap_param_gather,
         scan_layers=args.scan_layers,
         profile_dir=args.profile,
+        compiler_options={} if args.xla_defaults else STEP_COMPILER_OPTIONS,
     )
     records = run_train_bench(config)
     if not _emit_records(args, records):
@@ -229,6 +231,12 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="trace lwjax steps (with --train-step: every JAX contender's) into DIR and "
         "summarise kernels",
+    )
+    p.add_argument(
+        "--xla-defaults",
+        action="store_true",
+        help="with --train-step: compile every step with XLA's default options instead of "
+        "make_train_step's (TrainStepOptions.compiler_options: Triton GEMM fusions off)",
     )
     p.add_argument(
         "--pgle",
