@@ -181,6 +181,7 @@ def _iterate_folded(
     dot = functools.partial(_contract, precision=precision)
     axis = -2 if tall else -1
     eye = jnp.eye(y.shape[-1] if tall else y.shape[-2], dtype=acc_dtype)
+    # The kernels accumulate and combine in fp32: a float64 run keeps XLA's products.
     use_kernel = gram_lib.fits(y.shape, axis, y.dtype) and acc_dtype == jnp.float32
     gram_dtype = y.dtype if reduce is None else acc_dtype
     for a, b, c in steps:
