@@ -417,22 +417,15 @@ def _compiled_steps(adapter: LossAdapter, optimizer, options, param_specs, *, do
         donate_argnums = (0, 1, 2) if donate else ()
 
         def jitted(compiler_options):
+            jit_options = dict(donate_argnums=donate_argnums, compiler_options=compiler_options)
             if adapter.per_device and optimizer.param_axes is None:
                 step = lambda *args: local_step(*args, speculate)  # noqa: E731
-                return jit_shard_map(
-                    step,
-                    mesh,
-                    in_specs,
-                    out_specs,
-                    donate_argnums=donate_argnums,
-                    compiler_options=compiler_options,
-                )
+                return jit_shard_map(step, mesh, in_specs, out_specs, **jit_options)
             step = sharded_step if adapter.per_device else global_step
             return jax.jit(
                 lambda *args: step(*args, speculate),
                 out_shardings=named_shardings(mesh, out_specs),
-                donate_argnums=donate_argnums,
-                compiler_options=compiler_options,
+                **jit_options,
             )
 
         return _with_compiler_options(jitted, options.compiler_options)
