@@ -30,10 +30,12 @@ from lwjax.param_plan import ParamPlan, Segment
 from lwjax.routing import path_name
 
 # How :func:`pack` builds a bucket: one concatenate of its pieces (gaps, and runs of
-# one stacked leaf's rows) when it has at most this many, else piece by piece into
-# a zeroed array, which writes the bucket twice. XLA's concatenate runs near memory
-# bandwidth for a few operands and far below it for many (measured on H200:
-# docs/benchmarks.md).
+# one stacked leaf's rows) when it has at most this many, else in chunks of at most
+# this many pieces, each one concatenate written into a zeroed array (which writes
+# the bucket twice). XLA's concatenate runs near memory bandwidth for a few operands
+# and far below it for many (measured on H200: docs/benchmarks.md). A write per piece
+# would be a kernel per leaf, each at its own offset: XLA:CPU compiles every distinct
+# kernel apart (some 20 ms each), so a model of many small leaves compiled for minutes.
 MAX_CONCAT_OPERANDS = 8
 
 Buckets = tuple[jax.Array | None, ...]
@@ -146,21 +148,15 @@ def pack(plan: ParamPlan, tree, dtypes: Sequence | None = None) -> tuple[Buckets
             # One concatenate (no offsets) also where an offset would pass int32.
             concat = len(pieces) <= MAX_CONCAT_OPERANDS or buffer.dp * size > MAX_BUCKET_ELEMENTS
             if pieces and concat:
-                buckets.append(
-                    jnp.concatenate(
-                        [
-                            jnp.zeros(p, dtype)
-                            if isinstance(p, int)
-                            else _read_run(leaves, p).astype(dtype)
-                            for p in pieces
-                        ]
-                    )
-                )
+                buckets.append(jnp.concatenate([_written(leaves, p, dtype) for p in pieces]))
                 continue
             bucket = jnp.zeros(buffer.dp * size, dtype)
-            for run in (p for p in pieces if not isinstance(p, int)):
+            for chunk in _chunks(pieces, max(MAX_CONCAT_OPERANDS, 1)):
+                part = [_written(leaves, p, dtype) for p in chunk]
                 bucket = lax.dynamic_update_slice(
-                    bucket, _read_run(leaves, run).astype(dtype), (run[0].offset,)
+                    bucket,
+                    jnp.concatenate(part) if len(part) > 1 else part[0],
+                    (chunk[0][0].offset,),
                 )
             buckets.append(bucket)
         out.append(tuple(buckets))
@@ -184,6 +180,28 @@ def _pieces(segments: list[Segment], size: int) -> list[list[Segment] | int]:
             pieces.append([seg])
         cursor = seg.offset + seg.numel
     return pieces + [size - cursor] if size > cursor else pieces
+
+
+def _chunks(pieces: list[list[Segment] | int], most: int) -> list[list[list[Segment] | int]]:
+    """``pieces`` cut into back-to-back chunks of at most ``most`` pieces, each starting and
+    ending with a run: the gaps between chunks are left out (a zeroed bucket holds them)."""
+    chunks: list[list[list[Segment] | int]] = []
+    for piece in pieces:
+        if isinstance(piece, int) and (not chunks or len(chunks[-1]) >= most):
+            continue
+        if not chunks or len(chunks[-1]) >= most:
+            chunks.append([])
+        chunks[-1].append(piece)
+    return [chunk[:-1] if isinstance(chunk[-1], int) else chunk for chunk in chunks]
+
+
+def _written(leaves: list[jax.Array], piece: list[Segment] | int, dtype) -> jax.Array:
+    """A piece of a bucket in ``dtype``: a gap's zeros, or a run's elements."""
+    return (
+        jnp.zeros(piece, dtype)
+        if isinstance(piece, int)
+        else _read_run(leaves, piece).astype(dtype)
+    )
 
 
 def _read_run(leaves: list[jax.Array], run: list[Segment]) -> jax.Array:

@@ -287,3 +287,47 @@ def test_init_reads_a_leaf_whose_offsets_pass_int32():
     assert max(starts) >= 2**31  # offsets into this device's block of the leaf
     state = jax.eval_shape(opt.init, params)
     assert sum(x.size for x in state.masters[0]) == np.prod(shape)  # every element, once
+
+
+def many_small_leaves(n, seed=0):
+    """``n / 2`` matrices and biases of odd sizes, so that a bucket holds gaps between them."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i in range(n // 2):
+        params[f"block{i}/w"] = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+        params[f"block{i}/b"] = jnp.asarray(rng.standard_normal((1 + i % 3,)), jnp.float32)
+    return params
+
+
+def test_pack_writes_many_pieces_in_chunks_not_one_update_per_leaf(monkeypatch):
+    """A bucket of many pieces is written a chunk of at most MAX_CONCAT_OPERANDS pieces at a
+    time: the program's in-place writes grow with the leaves over that limit, not one per leaf
+    (each is a kernel of its own offset, which XLA:CPU compiles apart, some 20 ms each), and
+    the buckets hold the same bits as written piece by piece."""
+    writes = {}
+    for n in (100, 200):
+        params = many_small_leaves(n)
+        plan = plan_params(params, MeshAxes("dp", dp_size=4), LayoutConfig(bucket_size=None))
+        pieces = [
+            _pieces(
+                sorted((s for s in b.segments if s.bucket == k), key=lambda s: s.offset),
+                b.dp * size,
+            )
+            for b in plan.buffers
+            for k, size in enumerate(b.shard_sizes)
+        ]
+        gaps = sum(isinstance(x, int) for p in pieces for x in p)
+        assert gaps > len(pieces) and all(len(p) > buffers_lib.MAX_CONCAT_OPERANDS for p in pieces)
+        jaxpr = str(jax.make_jaxpr(lambda p, plan=plan: pack(plan, p))(params))
+        writes[n] = jaxpr.count("= dynamic_update_slice ")
+        assert writes[n] <= sum(-(-len(p) // buffers_lib.MAX_CONCAT_OPERANDS) + 1 for p in pieces)
+        chunked = pack(plan, params)
+        for a, b in zip(jax.tree.leaves(unpack(plan, chunked)), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        with monkeypatch.context() as m:
+            m.setattr(buffers_lib, "MAX_CONCAT_OPERANDS", 0)  # one write per piece
+            one_by_one = pack(plan, params)
+        for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(one_by_one)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # Each chunk holds about 4 leaves and 4 gaps here: a write per 4 leaves, not per leaf.
+    assert writes[200] <= 2 * writes[100] <= 200 // 3
