@@ -1,5 +1,6 @@
 """The ``lwjax`` command line: fixture round trips, tables, --compare, user errors."""
 
+import dataclasses
 import doctest
 import json
 import pathlib
@@ -330,6 +331,30 @@ def test_bench_warms_up_the_configs_default_unless_told(monkeypatch, runner, arg
     assert (
         lwjax.tools.bench.WARMUP_STEPS >= 6
     )  # the compiling call and the 4 slow ones measured after it
+
+
+@pytest.mark.parametrize(
+    "runner",
+    ["lwjax.tools.bench.run_bench", "lwjax.tools.bench.run_train_bench"],
+    ids=["optimizer_step", "train_step"],
+)
+def test_bench_takes_every_workload_the_benchmarks_define(monkeypatch, runner):
+    """``--workload`` offers each of ``WORKLOADS`` (70b for issue 47's fully sharded slice)
+    and hands the GPT with the layers asked for to the benchmark."""
+
+    def capture(config):
+        raise _Config(config)
+
+    monkeypatch.setattr(runner, capture)
+    train = ("--train-step",) if "train" in runner else ()
+    for name, gpt in lwjax.tools.bench.WORKLOADS.items():
+        with pytest.raises(_Config) as raised:
+            main(["bench", "--workload", name, "--layers", "3", "--dp", "2", *train])
+        config = raised.value.args[0]
+        assert (config.workload, config.layers) == (name, 3)
+        assert lwjax.tools.bench.workload_config(config.workload, config.layers) == (
+            dataclasses.replace(gpt, num_layers=3)
+        )
 
 
 def test_kernel_summary_counts_communication_exposed_only_where_no_compute_runs():

@@ -109,7 +109,7 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
       ``newton_schulz``, :func:`lwjax.tools.bench.newton_schulz_floor`; not
       recorded for the fully sharded Muon),
       ``compiled_bytes_per_device`` (XLA's estimate for the step),
-      ``peak_bytes_so_far`` (device 0's peak memory since the process
+      ``peak_bytes_so_far`` (the process's first device's peak memory since it
       started, a running maximum over the records; ``None`` on CPU),
       ``device_bytes_limit`` (what XLA may allocate on a device; ``None`` on
       CPU), ``replicated_bytes`` (the parameters in ``param_dtype`` plus fp32
@@ -285,7 +285,8 @@ def measure(contender: TrainContender, setting: TrainSetting, built: BuiltStep) 
             for i, key in enumerate(contender.outputs):
                 record[key] = float(out[n + i])
     record["step_ms"] = seconds * 1e3
-    stats = setting.mesh.devices.flat[0].memory_stats()  # None on CPU
+    # this process's first device: under jax.distributed the mesh's first may be another's
+    stats = setting.mesh.local_devices[0].memory_stats()  # None on CPU
     record["peak_bytes_so_far"] = stats.get("peak_bytes_in_use") if stats else None
     record["device_bytes_limit"] = stats.get("bytes_limit") if stats else None
     return record

@@ -19,6 +19,8 @@ from lwjax.train_options import STEP_COMPILER_OPTIONS
 
 # lwjax.muon.TP_MODES (that module imports jax; this command is parsed without it)
 TP_MODES = ("duplicated", "distributed", "blockwise")
+# lwjax.tools.bench.WORKLOADS's names (that module imports jax too)
+WORKLOAD_NAMES = ("small", "1b", "8b", "70b", "405b")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -161,7 +163,13 @@ def add_parser(subparsers) -> None:
             "AdamW (ZeRO-1) and replicated optax AdamW, and report Muon's overhead."
         ),
     )
-    p.add_argument("--workload", choices=("small", "1b", "8b"), default="small")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOAD_NAMES,
+        default="small",
+        help="the GPT (lwjax.tools.bench.WORKLOADS): 8b, 70b and 405b have the layers of "
+        "Llama-3-8B, Llama-3-70B and Llama-3.1-405B, 4 of them unless --layers says",
+    )
     p.add_argument("--layers", type=int, default=None)
     p.add_argument(
         "--dp", type=_dp_list, default=[1, 2, 4, 8], help="data-parallel sizes, e.g. 1,2,4,8"
