@@ -95,18 +95,26 @@ def _upper_gram(x: jax.Array, axis: int, dtype, interpret: bool) -> jax.Array:
     """:func:`upper_gram` after its checks."""
     rows, cols = x.shape[-2:]
     size, depth = (rows, cols) if axis == -1 else (cols, rows)
+    kernel = functools.partial(_upper_tiles, steps=depth // BLOCK_K, transposed=axis == -2)
+    out = _tile_grid_call(kernel, (), x.reshape(-1, rows, cols), size, dtype, interpret)
+    return out.reshape(*x.shape[:-2], size, size)
+
+
+def _tile_grid_call(kernel, operands, stack, size: int, dtype, interpret: bool) -> jax.Array:
+    """``kernel`` run once per output tile ``(n, i, j)`` of a ``[matrices, size, size]``
+    result in ``dtype``, reading ``operands`` (small 1-d arrays, whole) and matrix ``n`` of
+    ``stack``."""
     tiles = size // BLOCK
-    stack = x.reshape(-1, rows, cols)
-    out = pl.pallas_call(
-        functools.partial(_upper_tiles, steps=depth // BLOCK_K, transposed=axis == -2),
+    whole = [pl.BlockSpec(o.shape, lambda n, i, j: (0,)) for o in operands]
+    return pl.pallas_call(
+        kernel,
         out_shape=jax.ShapeDtypeStruct((stack.shape[0], size, size), dtype),
         grid=(stack.shape[0], tiles, tiles),
-        in_specs=[pl.BlockSpec((None, rows, cols), lambda n, i, j: (n, 0, 0))],
+        in_specs=[*whole, pl.BlockSpec((None, *stack.shape[1:]), lambda n, i, j: (n, 0, 0))],
         out_specs=pl.BlockSpec((None, size, size), lambda n, i, j: (n, 0, 0)),
         compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
         interpret=interpret,
-    )(stack)
-    return out.reshape(*x.shape[:-2], size, size)
+    )(*operands, stack)
 
 
 def polynomial(
@@ -141,21 +149,11 @@ def polynomial(
 def _polynomial(gram: jax.Array, coefficients: jax.Array, interpret: bool) -> jax.Array:
     """:func:`polynomial` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
     size = gram.shape[-1]
-    tiles = size // BLOCK
+    kernel = functools.partial(_polynomial_tiles, steps=size // BLOCK_K)
     stack = gram.reshape(-1, size, size)
-    out = pl.pallas_call(
-        functools.partial(_polynomial_tiles, steps=size // BLOCK_K),
-        out_shape=jax.ShapeDtypeStruct(stack.shape, gram.dtype),
-        grid=(stack.shape[0], tiles, tiles),
-        in_specs=[
-            pl.BlockSpec((4,), lambda n, i, j: (0,)),
-            pl.BlockSpec((None, size, size), lambda n, i, j: (n, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, size, size), lambda n, i, j: (n, 0, 0)),
-        compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES),
-        interpret=interpret,
-    )(coefficients, stack)
-    return out.reshape(gram.shape)
+    return _tile_grid_call(kernel, (coefficients,), stack, size, gram.dtype, interpret).reshape(
+        gram.shape
+    )
 
 
 def _tile_product(x_ref, i, j, steps: int, transposed: bool) -> jax.Array:

@@ -65,7 +65,7 @@ def newton_schulz_floor(plan, mesh, ns_precision: str, iters: int, warmup: int) 
         jax.random.normal(jax.random.key(1), (size, size), ns_dtype) / size**0.5, device
     )
     matmul = jax.jit(lambda x: functools.reduce(lambda y, _: x @ y, range(MATMUL_CHAIN), x))
-    mm_s = min(time_steps(lambda *_: (matmul(a),), (), iters, warmup)[0] for _ in range(3))
+    mm_s = _best_median(lambda: matmul(a), iters, warmup)
     rate = MATMUL_CHAIN * 2 * size**3 / mm_s
     return dict(
         ns_ms=max(flops) / rate * 1e3,
@@ -107,8 +107,12 @@ def copy_bandwidth(device, iters: int, warmup: int) -> float:
     size = 2**22 if device.platform == "cpu" else 2**30
     x = jax.device_put(jnp.zeros((size,), jnp.float32), device)
     add = jax.jit(lambda x: x + 1)
-    seconds = min(time_steps(lambda *_: (add(x),), (), iters, warmup)[0] for _ in range(3))
-    return 2 * x.nbytes / seconds
+    return 2 * x.nbytes / _best_median(lambda: add(x), iters, warmup)
+
+
+def _best_median(call, iters: int, warmup: int) -> float:
+    """Seconds of ``call()``: the best of three medians of ``iters`` synchronised calls."""
+    return min(time_steps(lambda *_: (call(),), (), iters, warmup)[0] for _ in range(3))
 
 
 def optimizer_step_floor(cfg, opt, mesh, state_bytes: int) -> dict:
