@@ -4,6 +4,7 @@
 #   DRY=cpu bash docs/scripts/multi_gpu_runs.sh all                (tiny, on 8 virtual CPU devices)
 # GPU runs want megatron-core importable for runs 1 and 3 (shared/perf/README.md); MEGATRON=0 drops
 # Megatron. MEM_GB: the device memory run 2 fits its layers into (lwjax plan's prediction).
+# LAYERS6: run 6's layer count instead of run 2's.
 set -euo pipefail
 export OUT=${OUT:-/tmp/multi_gpu_runs}
 PY=${PY:-python3}
@@ -16,6 +17,7 @@ if [[ ${DRY:-} == cpu ]]; then
   W1=small W8=small W70=small P70=small LAYERS8=2 CANDIDATES="4 2" MEM_GB=${MEM_GB:-1}
   TINY=(--iters 2 --warmup 1)
   SHAPE=(--seq-len 16 --micro-batch 1)
+  SHAPE70=("${SHAPE[@]}")
   BIND=()
   MEGATRON=0
 else
@@ -23,6 +25,7 @@ else
   MEM_GB=${MEM_GB:-125} # of an H200's 139 GiB, with XLA allowed 95% of it in run 2
   TINY=()
   SHAPE=() # the workload's own: 2048 tokens, 2 sequences per GPU (8b), 1 (70b)
+  SHAPE70=(--seq-len 2048 --micro-batch 1) # run 2's, given to lwjax plan too (its defaults differ)
   BIND=(--bind-gpus)
   MEGATRON=${MEGATRON:-1}
 fi
@@ -55,7 +58,7 @@ run1() {
 # The most layers of $P70 whose plan (fsdp 8, remat) fits MEM_GB.
 fit_layers() {
   for layers in $CANDIDATES; do
-    lw plan --preset $P70 --layers $layers --fsdp 8 --remat "${shape[@]}" \
+    lw plan --preset $P70 --layers $layers --fsdp 8 --remat "${SHAPE70[@]}" \
       --json >"$OUT/run2/plan.json"
     if "$PY" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["total_bytes"] > float(sys.argv[2]) * 2**30)' \
       "$OUT/run2/plan.json" "$MEM_GB"; then
@@ -69,12 +72,11 @@ fit_layers() {
 
 run2() {
   mkdir -p "$OUT/run2"
-  local layers shape=(--seq-len 2048 --micro-batch 1) # plan's defaults are not the bench's
-  [[ ${DRY:-} == cpu ]] && shape=("${SHAPE[@]}")
+  local layers
   layers=$(fit_layers)
   header "run 2: $W70 with $layers layers fully sharded over 8 (fits $MEM_GB GiB by lwjax plan)"
   XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
-    lw bench --train-step --workload $W70 --layers "$layers" --dp 8 --fsdp --remat "${shape[@]}" \
+    lw bench --train-step --workload $W70 --layers "$layers" --dp 8 --fsdp --remat "${SHAPE70[@]}" \
     "${TINY[@]}" --no-baselines --json --out "$OUT/run2" >/dev/null
   summary "$OUT/run2/bench.json"
   # The fully sharded Muon record has no Newton-Schulz floor: the plan's busiest device's FLOPs
@@ -153,11 +155,20 @@ for p in (0, 1):
 EOF
 }
 
+# Run 2's state (its workload and layers, one step from constant weights) saved at fsdp 8 and
+# restored at dp 2 x fsdp 4, each in its own process (a device's peak counts from process start).
 run6() {
-  header "run 6: checkpoint of the run-2 state, fsdp 8 -> dp 2 x fsdp 4"
-  echo "run 6: not scriptable yet: no command builds the run-2 state, saves it (lwjax.save)," \
-    "restores it onto dp 2 x fsdp 4 (lwjax.restore) and records peak device memory during both" \
-    "and bitwise equality"
+  local layers
+  layers=${LAYERS6:-$(fit_layers)}
+  header "run 6: checkpoint of the run-2 state ($W70, $layers layers), fsdp 8 -> dp 2 x fsdp 4"
+  local args=(--workload $W70 --layers "$layers" --dir "$OUT/run6" --out "$OUT/run6")
+  rm -rf "$OUT/run6/checkpoint" # lwjax.save refuses an existing checkpoint
+  checkpoint save "${args[@]}" --fsdp 8
+  checkpoint restore "${args[@]}" --dp 2 --fsdp 4
+}
+checkpoint() {
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+    PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" docs/scripts/checkpoint_at_scale.py "$@"
 }
 
 all() { run1; run2; run3; run4; run5; run6; }
