@@ -587,7 +587,7 @@ def test_bench_replica_must_divide_every_dp_size(capsys):
     with pytest.raises(ValueError, match=r"BenchConfig.replica=3 must divide every dp size"):
         lwjax.tools.bench.BenchConfig(dp_sizes=(4,), replica=3)
     assert main(["bench", "--dp", "4", "--replica", "2", "--train-step"]) == 2
-    assert "--replica apply to the optimizer step only" in capsys.readouterr().err
+    assert "--replica applies to the optimizer step only" in capsys.readouterr().err
 
 
 def test_bench_builds_the_pipelined_optimizer_it_reports():

@@ -30,8 +30,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--grad-std applies to the optimizer step only; drop it with --train-step."
             )
-        if (args.tp, args.tp_mode, args.replica) != (1, None, 1):
-            raise ValueError("--tp, --tp-mode and --replica apply to the optimizer step only.")
+        if (args.tp, args.tp_mode) != (1, None):
+            raise ValueError("--tp and --tp-mode apply to the optimizer step only.")
+        if args.replica != 1:
+            raise ValueError("--replica applies to the optimizer step only.")
     elif (
         args.seq_len,
         args.micro_batch,
