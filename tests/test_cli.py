@@ -477,6 +477,119 @@ def test_bench_optimizer_step_at_dp_x_tp_splits_the_state_as_megatron_splits_the
     assert "--tp and --tp-mode apply to the optimizer step only" in capsys.readouterr().err
 
 
+def _state_bytes_per_device(opt, params) -> int:
+    """The busiest device's bytes of ``opt.init(params)``."""
+    import jax
+
+    state = jax.tree.leaves(opt.init(params))
+    return max(
+        sum(s.data.nbytes for leaf in state for s in leaf.addressable_shards if s.device == d)
+        for d in opt.mesh.devices.flat
+    )
+
+
+@pytest.mark.parametrize("replica", ["2", "auto"])
+def test_bench_optimizer_step_in_sharding_groups_holds_one_groups_state(capsys, replica):
+    """--dp 4 --replica 2: the record and the table name 2 groups of 2, a device holds the
+    state of the model laid out over 2 devices (about twice dp 4's), and the floor reduces
+    across the groups too. --replica auto runs the groups lwjax.parallel.mesh.auto_groups
+    picks for the policy."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from lwjax.groups import AutoGroups
+    from lwjax.parallel.mesh import auto_groups
+    from lwjax.tools import bench
+    from lwjax.tools.render import print_bench
+
+    argv = ["bench", "--workload", "small", "--layers", "1", "--dp", "4", "--replica", replica]
+    code = main([*argv, "--iters", "1", "--warmup", "1", "--no-baselines", "--json"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    (record,) = json.loads(out)
+    if replica == "auto":  # the chooser's pick for the bench's policy: 2 groups of 2 here
+        config = bench.workload_config("small", 1)
+        mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+        _, _, choice = auto_groups(
+            bench.constant_params(bench.workload_shapes(config), mesh, jax.numpy.bfloat16),
+            mesh,
+            groups=AutoGroups(policies=("ns_cost",)),
+            routing=config.routing_rules(),
+            matrix_convention=bench.MATRIX_CONVENTION,
+        )
+        assert (choice.option.replicas, choice.option.shards) == (2, 2)
+    assert (record["dp"], record["replica"]) == (4, replica if replica == "auto" else 2)
+    assert (record["replicas"], record["group_size"]) == (2, 2)
+    assert record["step_ms"] > 0 and record["rs_ms"] > 0 and record["floor_sum_ms"] > 0
+    print_bench([record])
+    assert "4 = 2 × 2" + (" auto" if replica == "auto" else "") in capsys.readouterr().out
+
+    # The busiest device's state of the layout over 2 devices, more than that over 4 (whole
+    # matrices pad the 4-device layout more, so not quite twice).
+    state = {}
+    for dp in (2, 4):
+        _, params, opt = _small_bench_optimizer(dp, jax.numpy.bfloat16, "medium")
+        state[dp] = _state_bytes_per_device(opt, params)
+    assert record["state_bytes_per_device"] == state[2] > 1.5 * state[4]
+
+
+def test_bench_step_in_sharding_groups_equals_one_groups_step():
+    """One optimizer step of the bench at dp 4 as 2 groups of 2 gives the parameters one
+    group of 4 gives for the same per-device gradients: only the layout differs."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from lwjax.tools import bench
+    from lwjax.tools.bench.optimizer_contenders import grouped_mesh
+
+    config = bench.workload_config("small", 1)
+    shapes = bench.workload_shapes(config)
+    plain = Mesh(np.array(jax.devices()[:4]), ("dp",))
+    stepped = {}
+    for replica in (1, 2):
+        mesh, replica_axis = grouped_mesh(bench.BenchConfig(dp_sizes=(4,), replica=replica), plain)
+        params = bench.constant_params(shapes, mesh, jax.numpy.float32)
+        opt = bench.workload_optimizer(
+            params,
+            mesh,
+            config,
+            ns_precision="highest",
+            grad_reduce_in_fp32=True,
+            policy="ns_cost",
+            bucket_size="auto",
+            replica_axis=replica_axis,
+        )
+        assert opt.mesh_axes.group_size == 4 // replica
+        grads = bench.local_grads(shapes, mesh, jax.numpy.float32, 1e-2, axis=opt.data_axes)
+        new, _ = bench.optimizer_step(opt)(params, opt.init(params), grads)
+        stepped[replica] = jax.tree.map(np.asarray, new)
+    lr = 1e-3  # the bench's
+    moved = jax.tree.leaves(jax.tree.map(lambda x: np.abs(x - 0.01).max(), stepped[1]))
+    assert min(moved) > lr / 2  # every leaf took a step
+    # To rounding: the two reduce in another order, and Adam's g / (|g| + eps) turns that into
+    # a visible share of the step where g is near 0 (up to 0.2% of it here): within 1% of the
+    # learning rate (one group's gradients alone in each group move a quarter of the elements
+    # by up to 2 lr).
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * lr),
+        stepped[2],
+        stepped[1],
+    )
+
+
+def test_bench_replica_must_divide_every_dp_size(capsys):
+    assert main(["bench", "--dp", "2,4", "--replica", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lwjax bench: --replica 4 must divide every --dp size")
+    assert "dp 2 does not" in err
+    with pytest.raises(ValueError, match=r"BenchConfig.replica=3 must divide every dp size"):
+        lwjax.tools.bench.BenchConfig(dp_sizes=(4,), replica=3)
+    assert main(["bench", "--dp", "4", "--replica", "2", "--train-step"]) == 2
+    assert "--replica applies to the optimizer step only" in capsys.readouterr().err
+
+
 def test_bench_builds_the_pipelined_optimizer_it_reports():
     import jax
     import numpy as np

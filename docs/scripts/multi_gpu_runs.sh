@@ -35,12 +35,14 @@ megatron() { [[ $MEGATRON == 1 ]] && echo "--megatron docs/scripts/$1" || true; 
 summary() {
   "$PY" - "$@" <<'EOF'
 import json, sys
-keys = ("step_ms", "optimizer_ms", "floor_ms", "tokens_per_s", "mfu", "peak_bytes_so_far",
-        "compiled_bytes_per_device", "state_bytes_per_device", "loss", "grad_norm")
+keys = ("step_ms", "back_to_back_ms", "optimizer_ms", "floor_ms", "floor_sum_ms", "tokens_per_s",
+        "mfu", "peak_bytes_so_far", "compiled_bytes_per_device", "state_bytes_per_device", "loss",
+        "grad_norm")
 for r in json.load(open(sys.argv[1])):
     got = {k: r[k] for k in keys if r.get(k) is not None}
-    print(f"  {r['contender']:<34} dp {r['dp']}", "  ".join(
-        f"{k} {v / 2**30:.2f} GiB" if k.endswith("bytes_so_far") or "bytes" in k else
+    groups = f" = {r['replicas']} x {r['group_size']}" if r.get("replica", 1) != 1 else ""
+    print(f"  {r['contender']:<34} dp {r['dp']}{groups}", "  ".join(
+        f"{k} {v / 2**30:.3g} GiB" if k.endswith("bytes_so_far") or "bytes" in k else
         f"{k} {v:.4g}" for k, v in got.items()))
 EOF
 }
@@ -130,8 +132,16 @@ EOF
     "$PY" -c 'import json, sys; p = json.load(open(sys.argv[1])); print(f"  plan {sys.argv[2]}: state", p["state_bytes"], "bytes per device, collectives", sum(c["bytes"] for c in p["collectives"]), "bytes per step")' \
       "$OUT/run4/plan-${mesh// /}.json" "$mesh"
   done
-  echo "run 4: not scriptable yet: lwjax bench has no sharding-group option (a replica axis in" \
-    "BenchConfig/TrainBenchConfig), so step time and measured bytes at 2 x 4 against 1 x 8 need it"
+  # The optimizer step of the same model (the preset's layers); bench's --dp counts all 8 devices
+  # (plan's --dp above is one group's), --replica splits them; optax's replicated baseline is
+  # the same in every call and left out.
+  local layers=()
+  [[ ${DRY:-} == cpu ]] || layers=(--layers 32)
+  for replica in 1 2 auto; do
+    lw bench --workload $W8 "${layers[@]}" --dp 8 --replica $replica "${TINY[@]}" --no-baselines \
+      --json --out "$OUT/run4/bench-$replica" >/dev/null
+    summary "$OUT/run4/bench-$replica/bench.json"
+  done
 }
 
 run5() {

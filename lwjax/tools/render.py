@@ -184,7 +184,7 @@ def print_bench(records: Sequence[dict]) -> None:
         nbytes = r.get("state_bytes_per_device")
         rows.add_row(
             r["contender"],
-            str(r["dp"]),
+            _dp_groups(r),
             f"{r['step_ms']:.2f}",
             f"{r['back_to_back_ms']:.2f}" if "back_to_back_ms" in r else "—",
             f"{r['step_ms'] / lwjax_ms[r['dp']]:.2f}x",
@@ -213,6 +213,15 @@ def print_bench(records: Sequence[dict]) -> None:
                 style="dim",
             )
     console().print(rows)
+
+
+def _dp_groups(record: dict) -> str:
+    """A bench record's dp, with its sharding groups when ``--replica`` asked for them:
+    ``8 = 2 × 4`` (``auto`` when the chooser picked them)."""
+    if record.get("replica", 1) == 1:
+        return str(record["dp"])
+    auto = " auto" if record["replica"] == "auto" else ""
+    return f"{record['dp']} = {record['replicas']} × {record['group_size']}{auto}"
 
 
 def print_train_bench(records: Sequence[dict]) -> None:

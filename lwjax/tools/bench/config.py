@@ -66,6 +66,10 @@ class BenchConfig:
         and the optax baseline are skipped (named in the record).
       tp_mode: How a split Muon matrix is orthogonalised
         (``MuonConfig.tp_mode``, Megatron's ``--muon-tp-mode``; passed to both).
+      replica: lwjax's sharding groups (``layerwise_muon``'s ``replica_axis``): each dp size
+        runs as ``replica`` groups of ``dp / replica`` devices, the layout spanning one group
+        and every group holding a copy of the optimizer state; ``"auto"``: the groups
+        :func:`lwjax.groups.choose_groups` picks for ``policy``. The baselines are unaffected.
     """
 
     workload: str = "small"
@@ -86,6 +90,7 @@ class BenchConfig:
     pipeline_muon: bool = False
     tp: int = 1
     tp_mode: str = "duplicated"
+    replica: int | str = 1
 
     def __post_init__(self):
         if not self.grad_std > 0:
@@ -103,6 +108,20 @@ class BenchConfig:
         if self.tp_mode not in TP_MODES:
             raise ValueError(
                 f"BenchConfig.tp_mode must be one of {TP_MODES}; got {self.tp_mode!r}."
+            )
+        if self.replica != "auto" and not (
+            isinstance(self.replica, int)
+            and not isinstance(self.replica, bool)
+            and self.replica >= 1
+        ):
+            raise ValueError(
+                f"BenchConfig.replica must be a positive integer or 'auto'; got {self.replica!r}."
+            )
+        undivided = [dp for dp in self.dp_sizes if self.replica != "auto" and dp % self.replica]
+        if undivided:
+            raise ValueError(
+                f"BenchConfig.replica={self.replica} must divide every dp size (groups of "
+                f"dp / replica devices); dp={undivided[0]} does not divide by it."
             )
 
 

@@ -77,15 +77,16 @@ def newton_schulz_floor(plan, mesh, ns_precision: str, iters: int, warmup: int) 
     )
 
 
-def step_bytes(plan, dp: int, state_bytes: int) -> int:
-    r"""The fewest bytes one device's optimizer step moves through its memory.
+def step_bytes(plan, dp: int, state_bytes: int, replicas: int = 1) -> int:
+    r"""The fewest bytes one device's optimizer step moves through its memory, its layout
+    spanning ``dp`` devices (one sharding group's, of ``replicas``).
 
     .. math:: B = 2 S + 2 G + W
 
     ``S``: the device's optimizer state (fp32 masters and moments), read and
     written once. ``G``: its share of the gradients, read twice (the clip's
     global norm is needed before the update can read them again); in the
-    parameters' dtype at dp 1, where nothing reduces them, else in the
+    parameters' dtype on one device, where nothing reduces them, else in the
     reduction dtype the reduce-scatter leaves them in. ``W``: its share of
     the parameters, written once. Newton–Schulz's own operands are left to
     its FLOPs (:func:`newton_schulz_floor`): a product can read them as it
@@ -94,7 +95,7 @@ def step_bytes(plan, dp: int, state_bytes: int) -> int:
     grads = params = 0
     for b in plan.buffers:
         shard = b.numel // dp
-        grad_dtype = b.key.param_dtype if dp == 1 else b.key.grad_dtype
+        grad_dtype = b.key.param_dtype if dp * replicas == 1 else b.key.grad_dtype
         grads += shard * jnp.dtype(grad_dtype).itemsize
         params += shard * jnp.dtype(b.key.param_dtype).itemsize
     return 2 * state_bytes + GRADIENT_READS * grads + params
@@ -121,6 +122,9 @@ def optimizer_step_floor(cfg, opt, mesh, state_bytes: int) -> dict:
     Communication: a bare ``psum_scatter`` of every gradient buffer plus a
     bare ``all_gather`` of every parameter block, at the step's exact sizes
     and dtypes, each timed as the step is (synchronised, and back to back).
+    With sharding groups (``mesh`` has the optimizer's replica axis) both run
+    within a group, and ``rs_ms`` also counts the ``psum`` of each
+    reduce-scattered shard across the groups, as the step reduces it.
     Compute: :func:`newton_schulz_floor`. Memory: :func:`step_bytes` of the
     device holding ``state_bytes`` of optimizer state, at :func:`copy_bandwidth`
     (``bytes_ms``). ``floor_sum_computed_ms`` counts the
@@ -128,23 +132,28 @@ def optimizer_step_floor(cfg, opt, mesh, state_bytes: int) -> dict:
     :class:`~lwjax.tools.bench.config.BenchConfig` (its ``iters``, ``warmup`` and
     ``ns_precision``).
     """
-    plan = opt.plan
-    dp = mesh.shape["dp"]
+    plan, axes = opt.plan, opt.mesh_axes
+    dp = mesh.shape["dp"]  # a group's devices
     grad_dtypes = [jnp.dtype(b.key.grad_dtype) for b in plan.buffers]
     param_dtypes = [jnp.dtype(b.key.param_dtype) for b in plan.buffers]
     grads = [
-        jax.device_put(jnp.ones((dp, b.numel), d), NamedSharding(mesh, P("dp")))
+        jax.device_put(jnp.ones((axes.num_data, b.numel), d), NamedSharding(mesh, P(axes.data)))
         for b, d in zip(plan.buffers, grad_dtypes)
     ]
+
+    def reduce(g):
+        shard = jax.lax.psum_scatter(g[0], "dp", tiled=True)
+        return shard if axes.replica is None else jax.lax.psum(shard, axes.replica)
+
     blocks = [
         jax.device_put(jnp.ones((b.numel,), d), NamedSharding(mesh, P("dp")))
         for b, d in zip(plan.buffers, param_dtypes)
     ]
     rs = jax.jit(
         jax.shard_map(
-            lambda gs: [jax.lax.psum_scatter(g[0], "dp", tiled=True) for g in gs],
+            lambda gs: [reduce(g) for g in gs],
             mesh=mesh,
-            in_specs=(P("dp"),),
+            in_specs=(P(axes.data),),
             out_specs=P("dp"),
             check_vma=False,
         )
@@ -160,8 +169,8 @@ def optimizer_step_floor(cfg, opt, mesh, state_bytes: int) -> dict:
     )
 
     def timed(collective, operands):
-        """Seconds per call, synchronised and back to back (none at dp 1)."""
-        if dp == 1:
+        """Seconds per call, synchronised and back to back (none on one device)."""
+        if axes.num_data == 1:
             return 0.0, 0.0
 
         def call(*_):
@@ -173,7 +182,7 @@ def optimizer_step_floor(cfg, opt, mesh, state_bytes: int) -> dict:
 
     (rs_s, rs_b2b), (ag_s, ag_b2b) = timed(rs, grads), timed(ag, blocks)
     ns = newton_schulz_floor(plan, mesh, cfg.ns_precision, cfg.iters, cfg.warmup)
-    moved = step_bytes(plan, dp, state_bytes)
+    moved = step_bytes(plan, dp, state_bytes, axes.replica_size)
     bandwidth = copy_bandwidth(mesh.devices.flat[0], cfg.iters, cfg.warmup)
     rs_ms, ag_ms, bytes_ms = rs_s * 1e3, ag_s * 1e3, moved / bandwidth * 1e3
     return dict(

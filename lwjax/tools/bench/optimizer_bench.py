@@ -11,6 +11,10 @@ mesh and the parameters are split over ``tp`` as Megatron-Core splits them
 ``param_axes="tp"``, Megatron-Core with ``tensor_model_parallel_size=tp``, both in
 ``BenchConfig.tp_mode``. The no-overlap floor and the replicated optax baseline are
 not measured there (the record says so).
+
+With sharding groups (``BenchConfig.replica``) lwjax runs each dp size as ``replica``
+groups of ``dp / replica`` devices: a ``("replica", "dp")`` mesh, the layout over one
+group; the baselines run on the dp devices as before.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ def run_bench(cfg: BenchConfig) -> list[dict]:
       its CUDA-event time of the reduce-scatter plus ``optimizer.step()``.
       At ``tp > 1`` lwjax's record has ``floor_skipped`` (and, with
       ``baselines``, ``baseline_skipped``) instead of the floor and the optax
-      record.
+      record. lwjax's record names its sharding groups: ``replica`` (as asked: a
+      number or ``"auto"``), ``replicas`` and ``group_size`` (``dp = replicas *
+      group_size``), and under ``"auto"`` the chooser's ``groups_notes``; its floor
+      is that of one group's layout, with the all-reduce across groups in ``rs_ms``.
     """
     config = workload_config(cfg.workload, cfg.layers)
     devices = jax.devices()

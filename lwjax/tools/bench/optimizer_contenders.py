@@ -26,10 +26,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwjax.groups import AutoGroups
 from lwjax.layout import LayoutConfig
 from lwjax.megatron.gpt import GPTConfig
 from lwjax.optimizer import LayerwiseOptimizer
-from lwjax.parallel.mesh import resolved_layout
+from lwjax.parallel.mesh import group_mesh, resolved_layout
 from lwjax.speculation import FIRST_SPECULATION, chosen_on_host
 from lwjax.state import speculates
 from lwjax.tools.bench.config import BenchConfig
@@ -54,16 +55,17 @@ TP_BASELINE_SKIPPED = (
 
 def optimizer_step(opt: LayerwiseOptimizer):
     """``step(params, state, grads) -> (params, state)``: the timed step, ``params`` and ``state``
-    donated; ``grads`` are per-device gradients ``[dp, ...]`` split over dp (and, for leaves
-    split over tensor parallelism, as ``opt.param_specs`` says: ``P("dp", *spec)``). A
+    donated; ``grads`` are per-device gradients ``[dp, ...]`` split over the data-parallel axes
+    (``opt.data_axes``: with sharding groups ``("replica", "dp")``) and, for leaves split over
+    tensor parallelism, as ``opt.param_specs`` says: ``P(opt.data_axes, *spec)``. A
     pipelined, clipping optimizer speculates as the host chooses, as in ``make_train_step``
     (:func:`lwjax.speculation.chosen_on_host`)."""
-    param_specs = opt.param_specs
+    param_specs, data = opt.param_specs, opt.data_axes
     if isinstance(param_specs, P):  # a prefix: nothing split
-        grad_specs = P("dp", *param_specs)
+        grad_specs = P(data, *param_specs)
     else:
         grad_specs = jax.tree.map(
-            lambda spec: P("dp", *spec), param_specs, is_leaf=lambda x: isinstance(x, P)
+            lambda spec: P(data, *spec), param_specs, is_leaf=lambda x: isinstance(x, P)
         )
 
     def compiled(speculate=None):
@@ -89,8 +91,22 @@ def first_call(opt: LayerwiseOptimizer) -> int:
     return FIRST_SPECULATION if speculates(opt.plan) else 0
 
 
+def grouped_mesh(cfg: BenchConfig, mesh: Mesh) -> tuple[Mesh, str | AutoGroups | None]:
+    """``(mesh, replica_axis)`` of lwjax's optimizer for ``cfg.replica``: ``mesh`` and ``None``
+    for one group; its ``"dp"`` axis split into ``("replica", "dp")``, groups of
+    ``dp / replica`` devices (:func:`~lwjax.parallel.mesh.group_mesh`), for a number; ``mesh``
+    and :class:`~lwjax.groups.AutoGroups` weighing ``cfg.policy`` alone for ``"auto"`` (the
+    optimizer's own mesh then has the groups)."""
+    if cfg.replica == "auto":
+        return mesh, AutoGroups(policies=(cfg.policy,))
+    if cfg.replica == 1:
+        return mesh, None
+    return group_mesh(mesh, mesh.shape["dp"] // cfg.replica), "replica"
+
+
 def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
-    """Build lwjax's optimizer for the workload on ``mesh`` and time its step.
+    """Build lwjax's optimizer for the workload on ``mesh`` (in ``cfg.replica`` sharding groups:
+    :func:`grouped_mesh`) and time its step.
 
     Returns:
       ``(seconds, back_to_back, state_bytes, opt, profile, grad_norm)``: the median
@@ -102,6 +118,7 @@ def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
     shapes = workload_shapes(config)
     tensor_parallel = "tp" in mesh.axis_names
     specs = config.tensor_specs() if tensor_parallel else None
+    mesh, replica_axis = grouped_mesh(cfg, mesh)
     params = constant_params(shapes, mesh, dtype, specs)
     opt = workload_optimizer(
         params,
@@ -114,15 +131,20 @@ def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
         pipeline_muon=cfg.pipeline_muon,
         param_axes="tp" if tensor_parallel else None,
         tp_mode=cfg.tp_mode,
+        replica_axis=replica_axis,
     )
+    if opt.mesh is not mesh:  # "auto" split the mesh into the groups it chose
+        mesh = opt.mesh
+        params = jax.device_put(
+            params, jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec), params)
+        )
     state = opt.init(params)
-    grads = local_grads(shapes, mesh, dtype, cfg.grad_std, specs)
+    grads = local_grads(shapes, mesh, dtype, cfg.grad_std, specs, axis=opt.data_axes)
     grad_norm = float(
         jax.jit(
             lambda g: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g))
         )(grads)
     )  # of the mean gradient, what the step clips by
-    dp = mesh.shape["dp"]
     step = optimizer_step(opt)
 
     def call(p, s):
@@ -136,7 +158,9 @@ def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
         back_to_back, (params, state) = time_back_to_back(call, (params, state), cfg.iters)
         profile = {}
         if cfg.profile_dir:
-            name = f"dp{dp}_tp{mesh.shape['tp']}" if tensor_parallel else f"dp{dp}"
+            groups = f"_replica{mesh.shape['replica']}" if "replica" in mesh.shape else ""
+            tp = f"_tp{mesh.shape['tp']}" if tensor_parallel else ""
+            name = f"dp{opt.num_data}{groups}{tp}"
             profile, (params, state) = profile_steps(
                 call, (params, state), 3, f"{cfg.profile_dir}/{name}"
             )
@@ -195,18 +219,24 @@ def time_optax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
 
 
 def _lwjax_fields(cfg: BenchConfig, config: GPTConfig, mesh: Mesh) -> dict:
-    """lwjax's record: its settings, its times and state, and its floor (or why there is none)."""
+    """lwjax's record: its settings, its sharding groups, its times and state, and its floor (or
+    why there is none)."""
     seconds, back_to_back, nbytes, opt, profile, grad_norm = time_lwjax(cfg, config, mesh)
     if cfg.tp == 1:
-        floor = optimizer_step_floor(cfg, opt, mesh, nbytes)
+        floor = optimizer_step_floor(cfg, opt, opt.mesh, nbytes)
     else:
         floor = dict(floor_skipped=TP_FLOOR_SKIPPED)
         if cfg.baselines:
             floor["baseline_skipped"] = TP_BASELINE_SKIPPED
     bucket_size = resolved_layout(
         LayoutConfig(bucket_size=cfg.bucket_size), opt.mesh_axes, opt.plan.muon
-    ).bucket_size_for(mesh.shape["dp"])
+    ).bucket_size_for(opt.num_data)
+    axes = opt.mesh_axes
     return dict(
+        replica=cfg.replica,
+        replicas=axes.replica_size,
+        group_size=axes.group_size,
+        **({"groups_notes": list(opt.groups.notes)} if opt.groups is not None else {}),
         policy=cfg.policy,
         bucket_size=bucket_size,
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,

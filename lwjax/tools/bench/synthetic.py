@@ -25,21 +25,24 @@ def _leaf_specs(shapes, specs):
     )
 
 
-def local_grads(shapes, mesh, dtype, std, specs=None):
-    """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over dp.
+def local_grads(shapes, mesh, dtype, std, specs=None, *, axis: str | tuple[str, ...] = "dp"):
+    """Per-device gradients ``[dp, ...]`` of standard deviation ``std``, sharded over ``axis``
+    (a mesh axis or a tuple of them, ``dp`` devices in all: with sharding groups
+    ``("replica", "dp")``).
 
-    Every data-parallel device's gradients differ. With ``specs``
+    Every data-parallel device's gradients differ, and the values do not depend on how
+    ``axis`` splits the devices. With ``specs``
     (:meth:`~lwjax.megatron.gpt.GPTConfig.tensor_specs`) each leaf is also split as its spec says
-    (``P("dp", *spec)``); a leaf it leaves whole has the same gradient on every
+    (``P(axis, *spec)``); a leaf it leaves whole has the same gradient on every
     tensor-parallel device, as backward gives it.
     """
-    dp = mesh.shape["dp"]
+    dp = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
 
     def make(key, shape, spec):
         return jax.jit(
             lambda key: (std * jax.random.normal(key, (dp, *shape), jnp.float32)).astype(dtype),
-            out_shardings=NamedSharding(mesh, P("dp", *spec)),
+            out_shardings=NamedSharding(mesh, P(axis, *spec)),
         )(key)
 
     keys = jax.random.split(jax.random.key(0), len(leaves))

@@ -83,6 +83,7 @@ def workload_optimizer(
     param_axes: str | None = None,
     tp_mode: str = "duplicated",
     stacked: bool = True,
+    replica_axis=None,
 ) -> LayerwiseOptimizer:
     """lwjax's optimizer for a workload: layers stacked (``stacked=False``: a list of
     per-layer trees), Megatron's ``[out, in]``, QKV split.
@@ -91,11 +92,13 @@ def workload_optimizer(
     the same reduce-scatter, clip and all-gather, no Newton–Schulz). With
     ``param_axes``, leaves whose shardings name it are split over it
     (:meth:`~lwjax.megatron.gpt.GPTConfig.tensor_specs`) and orthogonalised as ``tp_mode`` says.
+    ``replica_axis``: ``layerwise_muon``'s (sharding groups).
     """
     return layerwise_muon(
         params,
         mesh,
         param_axes=param_axes,
+        replica_axis=replica_axis,
         learning_rate=learning_rate,
         muon=MuonConfig(fp32_matmul_prec=ns_precision, tp_mode=tp_mode),
         config=OptimizerConfig(

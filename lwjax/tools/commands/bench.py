@@ -32,6 +32,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             )
         if (args.tp, args.tp_mode) != (1, None):
             raise ValueError("--tp and --tp-mode apply to the optimizer step only.")
+        if args.replica != 1:
+            raise ValueError("--replica applies to the optimizer step only.")
     elif (
         args.seq_len,
         args.micro_batch,
@@ -46,6 +48,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer; got {args.tp}.")
+    undivided = [dp for dp in args.dp if args.replica != "auto" and dp % args.replica]
+    if undivided:
+        raise ValueError(
+            f"--replica {args.replica} must divide every --dp size (it runs dp devices as "
+            f"{args.replica} groups of dp / {args.replica}); dp {undivided[0]} does not."
+        )
     if not args.json:
         require_rich()  # before the benchmark runs, not after
     from lwjax.tools.demo.devices import request_cpu_devices
@@ -74,6 +82,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         pipeline_muon=args.pipeline_muon,
         tp=args.tp,
         tp_mode=BenchConfig.tp_mode if args.tp_mode is None else args.tp_mode,
+        replica=args.replica,
     )
     records = run_bench(config)
     if not _emit_records(args, records):
@@ -138,6 +147,19 @@ def bucket_size_arg(text: str) -> int | str | None:
         ) from None
 
 
+def _replica_arg(text: str) -> int | str:
+    """``--replica``: a positive number of sharding groups, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto'; got {text!r}")
+    return value
+
+
 def _dp_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
@@ -189,6 +211,16 @@ def add_parser(subparsers) -> None:
         default=None,
         help="how a matrix split over tp is orthogonalised (MuonConfig.tp_mode, Megatron's "
         "--muon-tp-mode, passed to both; default duplicated)",
+    )
+    p.add_argument(
+        "--replica",
+        type=_replica_arg,
+        default=1,
+        help="lwjax in sharding groups (layerwise_muon's replica_axis): each --dp size runs as "
+        "REPLICA groups of dp/REPLICA devices, each group holding a copy of the optimizer "
+        "state; 'auto': the groups lwjax.groups.choose_groups picks for --policy. Unlike lwjax "
+        "plan's --dp (one group's devices), --dp counts every data-parallel device "
+        "(optimizer step only; the baselines are unaffected)",
     )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument(
