@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from importlib.metadata import version as _version
 from typing import Any
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 from etils import epath
 from jax import lax
 
+import lwjax
 from lwjax import logical_shards as shards
 from lwjax.logical import LogicalState
 from lwjax.routing import LeafRoute, path_name
@@ -175,7 +175,7 @@ def build_contents(
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "lwjax_version": _version("lwjax"),
+        "lwjax_version": lwjax.__version__,  # "0+unknown" from a source tree never installed
         "jax_version": jax.__version__,
         "step": int(step if step is not None else np.asarray(jax.device_get(logical.count))),
         "matrix_convention": matrix_convention,

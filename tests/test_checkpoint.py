@@ -201,6 +201,43 @@ def test_interrupted_save_never_restores_as_complete(tmp_path):
         checkpoint.restore(leftovers[0], opt)
 
 
+_UNINSTALLED = textwrap.dedent(
+    """
+    import importlib.metadata, sys
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    importlib.metadata.version = not_installed  # as from a source tree on PYTHONPATH alone
+    import jax, numpy as np
+    from jax.sharding import Mesh
+    import lwjax
+    from lwjax.checkpoint import read_record
+    from lwjax.optimizer import layerwise_muon
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+    params = {"w": jax.numpy.ones((8, 8))}
+    opt = layerwise_muon(params, mesh, learning_rate=0.1)
+    lwjax.save(sys.argv[1], params, opt.init(params), opt)
+    print(read_record(sys.argv[1])["lwjax_version"])
+    """
+)
+
+
+def test_a_source_tree_never_installed_saves_with_an_unknown_version(tmp_path):
+    """lwjax run from ``PYTHONPATH`` (as on a lent GPU machine) has no package metadata: the
+    checkpoint records the version as ``lwjax.__version__`` does, instead of failing to save."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNINSTALLED, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0+unknown"]
+
+
 def _saved(tmp_path, dtype=jnp.float32):
     params, batch = _setup(dtype)
     opt = _optimizer(params, 2, "lpt")
