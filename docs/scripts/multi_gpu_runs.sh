@@ -4,7 +4,7 @@
 #   DRY=cpu bash docs/scripts/multi_gpu_runs.sh all                (tiny, on 8 virtual CPU devices)
 # GPU runs want megatron-core importable for runs 1 and 3 (shared/perf/README.md); MEGATRON=0 drops
 # Megatron. MEM_GB: the device memory run 2 fits its layers into (lwjax plan's prediction).
-# LAYERS6: run 6's layer count instead of run 2's.
+# LAYERS6: run 6's layer count (GPUs: 16, for the disk; DRY=cpu: run 2's).
 set -euo pipefail
 export OUT=${OUT:-/tmp/multi_gpu_runs}
 PY=${PY:-python3}
@@ -23,6 +23,9 @@ if [[ ${DRY:-} == cpu ]]; then
 else
   W1=1b W8=8b W70=70b P70=llama70b LAYERS8=32 CANDIDATES="80 72 64 56 48 40 32 24 16 8"
   MEM_GB=${MEM_GB:-125} # of an H200's 139 GiB, with XLA allowed 95% of it in run 2
+  # Run 2's 80 layers of 70B make a ~665 GiB checkpoint (and ~533 GiB of logical state in host
+  # memory while saving); the lent 8-GPU machine has 235 GiB of disk. 16 layers need ~155 GiB.
+  LAYERS6=${LAYERS6:-16}
   TINY=()
   SHAPE=() # the workload's own: 2048 tokens, 2 sequences per GPU (8b), 1 (70b)
   SHAPE70=(--seq-len 2048 --micro-batch 1) # run 2's, given to lwjax plan too (its defaults differ)
