@@ -551,16 +551,7 @@ def test_bench_step_in_sharding_groups_equals_one_groups_step():
     for replica in (1, 2):
         mesh, replica_axis = grouped_mesh(bench.BenchConfig(dp_sizes=(4,), replica=replica), plain)
         params = bench.constant_params(shapes, mesh, jax.numpy.float32)
-        opt = bench.workload_optimizer(
-            params,
-            mesh,
-            config,
-            ns_precision="highest",
-            grad_reduce_in_fp32=True,
-            policy="ns_cost",
-            bucket_size="auto",
-            replica_axis=replica_axis,
-        )
+        opt = _workload_optimizer(params, mesh, config, "highest", replica_axis=replica_axis)
         assert opt.mesh_axes.group_size == 4 // replica
         grads = bench.local_grads(shapes, mesh, jax.numpy.float32, 1e-2, axis=opt.data_axes)
         new, _ = bench.optimizer_step(opt)(params, opt.init(params), grads)
@@ -604,16 +595,7 @@ def test_bench_builds_the_pipelined_optimizer_it_reports():
     params = bench.constant_params(shapes, mesh, jax.numpy.float32)
     grads = bench.local_grads(shapes, mesh, jax.numpy.float32, 2e-5)
     for pipelined in (False, True):
-        opt = bench.workload_optimizer(
-            params,
-            mesh,
-            config,
-            ns_precision="highest",
-            grad_reduce_in_fp32=True,
-            policy="ns_cost",
-            bucket_size="auto",
-            pipeline_muon=pipelined,
-        )
+        opt = _workload_optimizer(params, mesh, config, "highest", pipeline_muon=pipelined)
         metrics = jax.eval_shape(
             jax.shard_map(
                 lambda p, s, g, opt=opt: opt.local_update(jax.tree.map(lambda x: x[0], g), s, p)[2],
@@ -661,7 +643,15 @@ def _small_bench_optimizer(dp: int, dtype, precision: str):
     config = bench.workload_config("small", 1)
     mesh = Mesh(np.array(jax.devices()[:dp]), ("dp",))
     params = bench.constant_params(bench.workload_shapes(config), mesh, dtype)
-    opt = bench.workload_optimizer(
+    return mesh, params, _workload_optimizer(params, mesh, config, precision)
+
+
+def _workload_optimizer(params, mesh, config, precision: str, **options):
+    """The bench's lwjax optimizer for ``config`` as ``lwjax bench`` builds it by default (fp32
+    reduction, ``ns_cost``, automatic buckets), with ``precision`` and ``options``."""
+    from lwjax.tools import bench
+
+    return bench.workload_optimizer(
         params,
         mesh,
         config,
@@ -669,8 +659,8 @@ def _small_bench_optimizer(dp: int, dtype, precision: str):
         grad_reduce_in_fp32=True,
         policy="ns_cost",
         bucket_size="auto",
+        **options,
     )
-    return mesh, params, opt
 
 
 def _best_seconds(fn, x) -> float:
