@@ -230,10 +230,10 @@ def write_part(
     flat = _to_stored(part, route).astype(target[0].dtype)
     rank = _rank(optimizer, runs[0].buffer)
     for p in runs:
+        # A dynamic-update-slice, not ``.at[].set``: the scatter that emits for a piece
+        # covering its whole shard crashes XLA's GPU compiler (jax 0.11.2, several devices).
         old = target[p.bucket][p.offset : p.offset + p.numel]
         new = flat[p.leaf_offset : p.leaf_offset + p.numel]
-        target[p.bucket] = (
-            target[p.bucket]
-            .at[p.offset : p.offset + p.numel]
-            .set(jnp.where(rank == p.rank, new, old))
+        target[p.bucket] = lax.dynamic_update_slice(
+            target[p.bucket], jnp.where(rank == p.rank, new, old), (p.offset,)
         )
