@@ -21,7 +21,8 @@ from lwjax.megatron.model import init_params, unstack_layers
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon, named_shardings
 from lwjax.tools import bench as tb
-from lwjax.tools.bench import PGLE_RUNS, train_contenders, workload_config
+from lwjax.tools.bench import PGLE_RUNS, TrainBenchConfig, train_contenders, workload_config
+from lwjax.tools.bench import config as bench_config
 from lwjax.tools.cli import main
 from lwjax.tools.demo.devices import bytes_per_device
 
@@ -628,8 +629,8 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
 
 
 ONLY_TRAIN_STEP = (
-    "lwjax bench: --seq-len, --micro-batch, --remat, --fsdp, --overlap-param-gather and "
-    "--no-scan-layers apply to --train-step only."
+    "lwjax bench: --seq-len, --micro-batch, --remat, --attention, --fsdp, "
+    "--overlap-param-gather and --no-scan-layers apply to --train-step only."
 )
 
 
@@ -638,6 +639,7 @@ ONLY_TRAIN_STEP = (
     [
         ("bench --seq-len 16", ONLY_TRAIN_STEP),
         ("bench --fsdp", ONLY_TRAIN_STEP),
+        ("bench --attention xla", ONLY_TRAIN_STEP),
         ("bench --overlap-param-gather", ONLY_TRAIN_STEP),
         ("bench --no-scan-layers", ONLY_TRAIN_STEP),
         (
@@ -661,6 +663,7 @@ ONLY_TRAIN_STEP = (
     ids=[
         "seq_len_without_train_step",
         "fsdp_without_train_step",
+        "attention_without_train_step",
         "overlap_without_train_step",
         "unrolled_without_train_step",
         "fsdp_with_overlap",
@@ -675,6 +678,20 @@ def test_cli_train_step_user_errors(argv, message, capsys):
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
 
 
+def test_attention_reaches_every_contenders_loss(monkeypatch):
+    """``attention`` is what the loss asks the model for (``--attention xla`` is how run 5 of
+    docs/scripts/multi_gpu_runs.sh steps deterministically); an unknown one is refused."""
+    seen = []
+    monkeypatch.setattr(
+        bench_config, "gpt_loss", lambda *args, **options: seen.append(options["attention"])
+    )
+    for attention in ("xla", "cudnn"):
+        TrainBenchConfig(attention=attention).loss()(None, jnp.zeros((1, 3), jnp.int32))
+    assert seen == ["xla", "cudnn"]
+    with pytest.raises(ValueError, match=r"TrainBenchConfig.attention must be one of \('auto'"):
+        TrainBenchConfig(attention="flash")
+
+
 FAKE_MEGATRON = """
 import json, os, sys
 print("Megatron's own log lines come first")
@@ -683,7 +700,8 @@ contenders = {k: {"median_ms": v, "peak_mem_bytes": 7} for k, v in times.items()
 contenders["muon"]["flags"] = {"argv": sys.argv[1:], "world": int(os.environ["WORLD_SIZE"])}
 contenders["muon_overlap"] = {"skipped": "overlap_param_gather: not in this release"}
 config = {"versions": {"megatron_core": "0.19.2"}, "attention": "local"}
-print(json.dumps({"config": config, "contenders": contenders}))
+if os.environ["RANK"] == "0":  # as the real script: two ranks' lines could interleave
+    print(json.dumps({"config": config, "contenders": contenders}))
 """
 
 

@@ -149,8 +149,9 @@ EOF
 
 run5() {
   header "run 5: 2 processes x 4 GPUs (lwjax launch) against one process, $W8 at fsdp 8"
+  # XLA's attention: with cuDNN's, a fully sharded step under $DETERMINISTIC aborts (2 x H200)
   local bench=(bench --train-step --workload $W8 --layers $LAYERS8 --dp 8 --fsdp --no-baselines
-    "${SHAPE[@]}" "${TINY[@]}" --json)
+    --attention xla "${SHAPE[@]}" "${TINY[@]}" --json)
   XLA_FLAGS="${XLA_FLAGS:-} $DETERMINISTIC" lw "${bench[@]}" --out "$OUT/run5/1proc" >/dev/null
   # every process writes its own records (the bench does not know it is one of several)
   XLA_FLAGS="${XLA_FLAGS:-} $DETERMINISTIC" lw launch --nproc 2 --devices-per-proc 4 "${BIND[@]}" \

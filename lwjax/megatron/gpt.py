@@ -43,6 +43,9 @@ from lwjax.routing import RoutingRules
 
 # Megatron (torch) stores a linear weight as [out, in]: the optimizer's matrix_convention for it.
 MATRIX_CONVENTION = "out_in"
+# The attentions lwjax.megatron.model.gpt_logits takes: jax.nn.dot_product_attention's
+# implementations, and "auto" (resolved by backend and dtype)
+ATTENTIONS = ("auto", "cudnn", "xla")
 # A mixture-of-experts MLP's keys (SequentialMLP, as torch_dist stores it)
 ROUTER_KEY = "decoder.layers.mlp.router.weight"
 EXPERT_FC1_KEY = "decoder.layers.mlp.experts.experts.linear_fc1.weight"

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lwjax.megatron.gpt import GPTConfig, tree_from_keys
+from lwjax.megatron.gpt import ATTENTIONS, GPTConfig, tree_from_keys
 from lwjax.megatron.megatron_numerics import (
     megatron_cross_entropy,
     megatron_embed,
@@ -45,7 +45,6 @@ from lwjax.megatron.megatron_numerics import (
 from lwjax.parallel.gather import gather_params, gather_rows
 
 INIT_STD = 0.02  # Megatron's --init-method-std
-ATTENTIONS = ("auto", "cudnn", "xla")
 NUMERICS = ("lwjax", "megatron")
 
 

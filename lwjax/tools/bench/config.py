@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from lwjax.layout import DEFAULT_POLICY
-from lwjax.megatron.gpt import GPTConfig
+from lwjax.megatron.gpt import ATTENTIONS, GPTConfig
 from lwjax.megatron.model import gpt_loss
 from lwjax.muon import TP_MODES
 from lwjax.tools.bench.timing import WARMUP_STEPS
@@ -137,6 +137,10 @@ class TrainBenchConfig:
       micro_batch: Sequences per device per step (``None``: :data:`TRAIN_DEFAULTS`);
         the global batch is ``micro_batch * dp``.
       remat: Recompute each layer's activations in the backward pass.
+      attention: ``"auto"``, ``"cudnn"`` or ``"xla"``: every JAX contender's attention
+        (:func:`lwjax.megatron.model.gpt_logits`; ``"auto"`` is cuDNN's fused attention on a
+        GPU in bf16). ``"xla"`` lets a fully sharded step run with
+        ``--xla_gpu_deterministic_ops``: with cuDNN's it aborts on 2 GPUs (jax 0.11.2).
       iters: Timed steps per measurement (median reported).
       warmup: Untimed steps first (:data:`lwjax.tools.bench.WARMUP_STEPS`).
       param_dtype: Parameter and activation dtype (the replicated optax
@@ -193,6 +197,7 @@ class TrainBenchConfig:
     seq_len: int | None = None
     micro_batch: int | None = None
     remat: bool = False
+    attention: str = "auto"
     iters: int = 10
     warmup: int = WARMUP_STEPS
     param_dtype: str = "bfloat16"
@@ -252,6 +257,10 @@ class TrainBenchConfig:
                 f"baselines, optax_form and megatron_script (they replicate the model); got "
                 f"{', '.join(f'{k}={v!r}' for k, v in replicating.items())}."
             )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"TrainBenchConfig.attention must be one of {ATTENTIONS}; got {self.attention!r}."
+            )
         seq_len, micro_batch = TRAIN_DEFAULTS[self.workload]
         object.__setattr__(self, "seq_len", self.seq_len if self.seq_len is not None else seq_len)
         object.__setattr__(
@@ -278,6 +287,7 @@ class TrainBenchConfig:
                 (batch[:, :-1], batch[:, 1:]),
                 config,
                 dtype=self.param_dtype,
+                attention=self.attention,
                 remat=self.remat,
                 gather=gather,
             )

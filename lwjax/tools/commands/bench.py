@@ -14,6 +14,7 @@ import json
 import pathlib
 
 from lwjax.layout import DEFAULT_POLICY, POLICIES
+from lwjax.megatron.gpt import ATTENTIONS
 from lwjax.tools.render import print_bench, print_json, print_train_bench, require_rich
 from lwjax.train_options import STEP_COMPILER_OPTIONS
 
@@ -38,12 +39,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         args.seq_len,
         args.micro_batch,
         args.remat,
+        args.attention,
         args.fsdp,
         args.overlap_param_gather,
         args.scan_layers,
-    ) != (None, None, False, False, False, True):
+    ) != (None, None, False, "auto", False, False, True):
         raise ValueError(
-            "--seq-len, --micro-batch, --remat, --fsdp, --overlap-param-gather and "
+            "--seq-len, --micro-batch, --remat, --attention, --fsdp, --overlap-param-gather and "
             "--no-scan-layers apply to --train-step only."
         )
     if args.tp < 1:
@@ -101,6 +103,7 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         remat=args.remat,
+        attention=args.attention,
         iters=args.iters,
         warmup=TrainBenchConfig.warmup if args.warmup is None else args.warmup,
         param_dtype=args.param_dtype,
@@ -329,6 +332,14 @@ def _add_train_step_flags(p: argparse.ArgumentParser) -> None:
         "--remat",
         action="store_true",
         help="with --train-step: recompute each layer's activations in the backward pass",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="auto",
+        help="with --train-step: every JAX contender's attention (default auto: cuDNN's fused "
+        "attention on a GPU in bf16); xla lets --fsdp run under "
+        "XLA_FLAGS=--xla_gpu_deterministic_ops=true, which aborts with cuDNN's on 2 GPUs",
     )
     p.add_argument(
         "--fsdp",
