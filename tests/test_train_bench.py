@@ -23,6 +23,7 @@ from lwjax.optimizer import OptimizerConfig, layerwise_muon, named_shardings
 from lwjax.tools import bench as tb
 from lwjax.tools.bench import PGLE_RUNS, TrainBenchConfig, train_contenders, workload_config
 from lwjax.tools.bench import config as bench_config
+from lwjax.tools.bench.train_contenders import TRAIN_STEP_CONTENDERS
 from lwjax.tools.cli import main
 from lwjax.tools.demo.devices import bytes_per_device
 
@@ -629,7 +630,7 @@ def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
 
 
 ONLY_TRAIN_STEP = (
-    "lwjax bench: --seq-len, --micro-batch, --remat, --attention, --fsdp, "
+    "lwjax bench: --seq-len, --micro-batch, --remat, --no-adamw, --attention, --fsdp, "
     "--overlap-param-gather and --no-scan-layers apply to --train-step only."
 )
 
@@ -640,6 +641,7 @@ ONLY_TRAIN_STEP = (
         ("bench --seq-len 16", ONLY_TRAIN_STEP),
         ("bench --fsdp", ONLY_TRAIN_STEP),
         ("bench --attention xla", ONLY_TRAIN_STEP),
+        ("bench --no-adamw", ONLY_TRAIN_STEP),
         ("bench --overlap-param-gather", ONLY_TRAIN_STEP),
         ("bench --no-scan-layers", ONLY_TRAIN_STEP),
         (
@@ -664,6 +666,7 @@ ONLY_TRAIN_STEP = (
         "seq_len_without_train_step",
         "fsdp_without_train_step",
         "attention_without_train_step",
+        "no_adamw_without_train_step",
         "overlap_without_train_step",
         "unrolled_without_train_step",
         "fsdp_with_overlap",
@@ -676,6 +679,25 @@ def test_cli_train_step_user_errors(argv, message, capsys):
     code = main(argv.split())
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(fsdp=True, baselines=False), dict(overlap_param_gather=True)],
+    ids=["replicated", "fsdp", "overlapped"],
+)
+def test_no_adamw_leaves_out_every_lwjax_adamw_and_nothing_else(options):
+    """``adamw=False`` (``--no-adamw``, run 2's step held to the memory Muon's plan asks for)
+    drops exactly the lwjax AdamW contenders of the setting."""
+    names = {
+        flag: [
+            c.name for c in TRAIN_STEP_CONTENDERS if c.runs(TrainBenchConfig(adamw=flag, **options))
+        ]
+        for flag in (True, False)
+    }
+    adamw = {tb.ADAMW_SHARDED, tb.ADAMW_FSDP, tb.ADAMW_OVERLAP}
+    assert set(names[True]) & adamw
+    assert names[False] == [n for n in names[True] if n not in adamw]
 
 
 def test_attention_reaches_every_contenders_loss(monkeypatch):

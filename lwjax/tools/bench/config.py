@@ -159,6 +159,9 @@ class TrainBenchConfig:
         the warm-up), as :class:`lwjax.tools.bench.BenchConfig` does for the
         optimizer step.
       baselines: Also time the replicated optax AdamW.
+      adamw: Also time lwjax AdamW (each lwjax Muon contender's counterpart); ``False``:
+        lwjax Muon and forward+backward only, as when the device memory is held to what
+        Muon's step needs (AdamW's state is larger).
       optax_form: Also time lwjax Muon as an optax transformation in a plain
         ``jax.jit`` step, with gradients from ``jax.grad`` (all-reduced by
         GSPMD) and from :func:`lwjax.value_and_grad` (reduce-scattered).
@@ -211,6 +214,7 @@ class TrainBenchConfig:
     pipeline_muon: bool = False
     pgle: bool = False
     baselines: bool = True
+    adamw: bool = True
     optax_form: bool = False
     peak_flops: float | None = None
     seed: int = 0

@@ -222,11 +222,18 @@ TRAIN_STEP_CONTENDERS = (
         muon=True,
         overhead_over=(ADAMW_OVERLAP,),  # against AdamW with the same gathers
     ),
-    TrainContender(ADAMW_SHARDED, _replicating, _lwjax(muon=False), LWJAX_OUTPUTS),
-    TrainContender(ADAMW_FSDP, _fully_sharded, _lwjax(muon=False), LWJAX_OUTPUTS),
+    TrainContender(
+        ADAMW_SHARDED,
+        lambda cfg: _replicating(cfg) and cfg.adamw,
+        _lwjax(muon=False),
+        LWJAX_OUTPUTS,
+    ),
+    TrainContender(
+        ADAMW_FSDP, lambda cfg: _fully_sharded(cfg) and cfg.adamw, _lwjax(muon=False), LWJAX_OUTPUTS
+    ),
     TrainContender(
         ADAMW_OVERLAP,
-        lambda cfg: cfg.overlap_param_gather,
+        lambda cfg: cfg.overlap_param_gather and cfg.adamw,
         _lwjax(muon=False, overlap=True),
         LWJAX_OUTPUTS,
     ),

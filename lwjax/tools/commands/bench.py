@@ -39,14 +39,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         args.seq_len,
         args.micro_batch,
         args.remat,
+        args.adamw,
         args.attention,
         args.fsdp,
         args.overlap_param_gather,
         args.scan_layers,
-    ) != (None, None, False, "auto", False, False, True):
+    ) != (None, None, False, True, "auto", False, False, True):
         raise ValueError(
-            "--seq-len, --micro-batch, --remat, --attention, --fsdp, --overlap-param-gather and "
-            "--no-scan-layers apply to --train-step only."
+            "--seq-len, --micro-batch, --remat, --no-adamw, --attention, --fsdp, "
+            "--overlap-param-gather and --no-scan-layers apply to --train-step only."
         )
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer; got {args.tp}.")
@@ -114,6 +115,7 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         pipeline_muon=args.pipeline_muon,
         pgle=args.pgle,
         baselines=args.baselines,
+        adamw=args.adamw,
         optax_form=args.optax_form,
         megatron_script=args.megatron,
         fsdp=args.fsdp,
@@ -332,6 +334,13 @@ def _add_train_step_flags(p: argparse.ArgumentParser) -> None:
         "--remat",
         action="store_true",
         help="with --train-step: recompute each layer's activations in the backward pass",
+    )
+    p.add_argument(
+        "--adamw",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --train-step: also time lwjax AdamW (--no-adamw: lwjax Muon and "
+        "forward+backward only, e.g. with the device memory held to what Muon's step needs)",
     )
     p.add_argument(
         "--attention",
