@@ -1,6 +1,7 @@
 """The sharded step against an unsharded reference, its communication, memory and errors."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -626,12 +627,34 @@ def _run_train_steps(opt, params, grads, *, traced=False, **options):
         train_step = jax.jit(train_step)
     state_only = "options" in options  # the parameters live in the state's masters
     state, history = opt.init(params), []
-    params = None if state_only else jax.tree.map(jnp.copy, params)
+    # Placed as the step returns them, so that a jitted step compiles once, not again on step 2.
+    params = None if state_only else _replicated(opt, jax.tree.map(jnp.copy, params))
     for device_grads in grads:
         batch = jax.tree.map(lambda *g: np.stack(g), *device_grads)
         params, state, metrics = train_step(params, state, batch)
         history.append(metrics)
     return history, opt.gather_params(state) if state_only else params, state
+
+
+@functools.cache
+def _host_clips_serial_and_reference():
+    """The host tests' parameters and gradients, the serial step's last parameters and state
+    on them, and the reference's parameters: the same for every form, so computed once (only
+    read: nothing donates them). Two toy layers: more only add leaves to compile (the clip still
+    binds at BINDS: the mean gradient's norm is ~40)."""
+    params = toy_params(layers=2)
+    grads = _scaled(random_grads(params, 4, len(HOST_CLIPS), seed=3), lambda t, k: HOST_CLIPS[t])
+    _, *serial = _run_train_steps(_toy_optimizer(params, False), params, grads)
+    want = reference_run(
+        params,
+        grads,
+        _toy_optimizer(params, True).plan.routes,
+        lr=LR,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        muon_config=MUON,
+    )
+    return params, grads, serial, want
 
 
 @pytest.mark.parametrize("form", HOST_FORMS)
@@ -640,18 +663,13 @@ def test_train_step_chooses_speculation_on_the_host_and_equals_the_serial_step(f
     between them on the host from the flag of the step before last (each step returns
     its flag apart from the donated state); traced inside a jit, it falls back to the
     conditional. Either way it computes the serial step."""
-    params = toy_params()
-    grads = _scaled(random_grads(params, 4, len(HOST_CLIPS), seed=3), lambda t, k: HOST_CLIPS[t])
+    params, grads, serial, want = _host_clips_serial_and_reference()
     traced = form == "conditional"
-    _, *serial = _run_train_steps(_toy_optimizer(params, False), params, grads)
     opt = _toy_optimizer(params, True)
     history, *pipelined = _run_train_steps(opt, params, grads, traced=traced, **HOST_FORMS[form])
     flags = [(int(m["speculated"]), int(m["recomputed"])) for m in history]
     assert flags == GUESSES["conditional" if traced else "host"]
     _assert_same_steps(serial, pipelined)
-    want = reference_run(
-        params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON
-    )
     for a, b in zip(jax.tree.leaves(pipelined[0]), jax.tree.leaves(want)):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
@@ -966,6 +984,15 @@ def _wd_schedule(count):
 WD_ROUTING = RoutingRules(wd_mult={"layer0/wq": 0.5, "embed/*": 2.0})
 
 
+def _wd_params():
+    """One toy layer's attention only: Muon matrices with and without a wd_mult (wq, wo), 2-D
+    elementwise leaves with and without one (embed, head) and a vector (norm, no decay); the MLP
+    would add only more of the same leaves to compile."""
+    params = toy_params(layers=1)
+    params["layer0"] = {k: params["layer0"][k] for k in ("wq", "wo")}
+    return params
+
+
 def _wd_optimizer(params, weight_decay, pipeline_muon):
     return layerwise_muon(
         params,
@@ -1003,7 +1030,7 @@ def _wd_stepper(opt, form):
 def test_a_weight_decay_schedule_steps_as_its_float_value_at_each_count(form, pipeline_muon):
     """A scheduled weight decay gives, step by step, what an optimizer built with that step's
     value as a float gives (Muon matrices and 2-D elementwise leaves, with wd_mult)."""
-    params = toy_params(layers=1)
+    params = _wd_params()
     grads = random_grads(params, 2, steps=2, seed=5)  # two counts: the value changes between
     scheduled = _wd_optimizer(params, _wd_schedule, pipeline_muon)
     step = _wd_stepper(scheduled, form)
@@ -1019,10 +1046,10 @@ def test_a_weight_decay_schedule_steps_as_its_float_value_at_each_count(form, pi
 
 
 def test_weight_decay_schedule_is_accepted_and_a_float_stays_static():
-    opt = _wd_optimizer(toy_params(layers=1), _wd_schedule, False)
+    opt = _wd_optimizer(_wd_params(), _wd_schedule, False)
     assert opt.plan.config.weight_decay is _wd_schedule
     assert set(opt.plan.decay_of) == {0.0, 0.5, 1.0, 2.0}  # the multipliers the step scales
-    fixed = _wd_optimizer(toy_params(layers=1), 0.1, False)
+    fixed = _wd_optimizer(_wd_params(), 0.1, False)
     assert set(fixed.plan.decay_of) == {0.0, 0.1 * 0.5, 0.1, 0.1 * 2.0}  # constants of the step
     with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0 or a schedule"):
         OptimizerConfig(weight_decay="0.1")
