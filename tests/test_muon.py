@@ -986,11 +986,17 @@ def test_muon_halves_on_blocks_equal_muon_update_of_the_whole_in_float64(dim, sp
         fp32_matmul_prec="highest",
     )
     exchange = _StackedBlocks(2, dim)
-    with jax.enable_x64(True):
-        p, g, m = (jnp.asarray(_rng_matrix(seed, 3, 16, 12), jnp.float64) for seed in (31, 32, 33))
-        want_p, want_m = muon_update(
+
+    # Each side jitted whole: one compilation instead of one per eager op and shape (float64
+    # leaves rounding far below the tolerances either way).
+    @jax.jit
+    def whole(p, g, m):
+        return muon_update(
             p, g, m, learning_rate=0.1, weight_decay=0.05, config=config, qkv_split_shapes=split
         )
+
+    @jax.jit
+    def on_blocks(p, g, m):
         polar, got_m = muon_polar(
             _blocks(g, 2, dim),
             _blocks(m, 2, dim),
@@ -1007,6 +1013,11 @@ def test_muon_halves_on_blocks_equal_muon_update_of_the_whole_in_float64(dim, sp
             qkv_split_shapes=split,
             exchange=exchange,
         )
-        got_p, got_m = np.asarray(_joined(got_p, dim)), np.asarray(_joined(got_m, dim))
+        return _joined(got_p, dim), _joined(got_m, dim)
+
+    with jax.enable_x64(True):
+        p, g, m = (jnp.asarray(_rng_matrix(seed, 3, 16, 12), jnp.float64) for seed in (31, 32, 33))
+        want_p, want_m = whole(p, g, m)
+        got_p, got_m = (np.asarray(x) for x in on_blocks(p, g, m))
     np.testing.assert_allclose(got_m, np.asarray(want_m), rtol=0, atol=1e-15)
     np.testing.assert_allclose(got_p, np.asarray(want_p), rtol=0, atol=1e-12)

@@ -6,6 +6,8 @@ the compiled step reduce-scatters per-device gradients; bf16 parameters come bac
 ``bf16(master)``; bad trees name their first wrong path.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,8 +48,33 @@ def _loss(model, batch):
     return jnp.mean((model(x) - y) ** 2)
 
 
-def _reference_params(mesh, batch):
-    """``make_train_step`` on the same model, as pure parameter arrays per step."""
+def _replicated(tree, mesh):
+    """``tree`` whole on every device of ``mesh``, as a step returns parameters: a jitted step's
+    first call then compiles the program its later calls run (not one for uncommitted arrays
+    first)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def _placed(model, optimizer, mesh):
+    """The nnx model and optimizer with every leaf not yet on ``mesh`` (the parameters, the step
+    counters) whole on each device, as the step returns them (see :func:`_replicated`)."""
+    for node in (model, optimizer):
+        state = nnx.state(node)
+        nnx.update(
+            node,
+            jax.tree.map(
+                lambda x: x if isinstance(x.sharding, NamedSharding) else _replicated(x, mesh),
+                state,
+            ),
+        )
+
+
+@functools.cache
+def _reference_params():
+    """``make_train_step`` on the same model and ``_batch(_mesh())``, as pure parameter arrays
+    per step (computed once: only read)."""
+    mesh = _mesh()
+    batch = _batch(mesh)
     graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
     params = nnx.as_pure(params)
     opt = lwjax.layerwise_muon(params, mesh)
@@ -83,7 +110,8 @@ def test_nnx_optimizer_trains_as_make_train_step(per_device):
             grads = nnx.grad(_loss)(model, batch)
         optimizer.update(model, grads)
 
-    for want in _reference_params(mesh, batch):
+    _placed(model, optimizer, mesh)
+    for want in _reference_params():
         train_step(model, optimizer, batch)
         _close(nnx.as_pure(nnx.state(model, nnx.Param)), want)
     assert int(optimizer.opt_state.count[...]) == STEPS
@@ -119,6 +147,7 @@ def test_bf16_params_come_back_as_bf16_of_the_masters():
     tx = lwjax.layerwise_muon(params, mesh)
     state = tx.init(params)
     grads = jax.tree.map(lambda p: (0.3 * p).astype(jnp.bfloat16), params)
+    params = _replicated(params, mesh)
     for _ in range(3):
         updates, state = jax.jit(tx.update)(grads, state, params)
         assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
@@ -204,6 +233,7 @@ def test_nnx_quickstart_loop_with_batchnorm_and_dropout():
         return loss
 
     batch = _batch(mesh)
+    _placed(model, optimizer, mesh)
     losses = [float(train_step(model, optimizer, batch)) for _ in range(10)]
     assert losses[-1] < 0.7 * losses[0], losses
     mean = np.asarray(model.bn.mean[...])
@@ -326,7 +356,8 @@ def test_pipelined_optax_form_trains_as_the_serial_step():
 
     state = tx.init(params)
     assert not bool(state.speculate)  # a fresh state waits for the norm
-    for want in _reference_params(mesh, batch):
+    params = _replicated(params, mesh)
+    for want in _reference_params():
         params, state, norm = step(params, state)
         _close(params, want)
         assert bool(state.speculate) == (float(norm) <= 1.0), float(norm)
@@ -337,6 +368,7 @@ def _optax_steps(tx, params, grads_of, steps):
     """``steps`` jitted optax steps; per step the parameters apply_updates gave and the state."""
     update = jax.jit(tx.update)
     state, out = tx.init(params), []
+    params = _replicated(params, tx.mesh)
     for i in range(steps):
         updates, state = update(grads_of(params, i), state, params)
         params = optax.apply_updates(params, updates)

@@ -1,6 +1,7 @@
 """The sharded step against an unsharded reference, its communication, memory and errors."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -541,7 +542,10 @@ def _scaled(grads, scale_of):
     ]
 
 
-IDLE, BINDS = 1e-3, 1.0  # The toy's mean gradient has norm ~52 at scale 1; the clip is 1.
+# The speculation tests' toy: two layers, so still several layer-wise buckets (more layers only
+# add leaves to compile).
+SPECULATION_LAYERS = 2
+IDLE, BINDS = 1e-3, 1.0  # The toy's mean gradient has norm ~40 at scale 1; the clip is 1.
 # Each case, over three steps: (scale per step and top-level key, norm groups, per step whether
 # the step speculated and whether that failed, so it recomputed the layer-wise buckets). A fresh
 # state does not speculate; a step speculates after one that needed no Muon clip.
@@ -559,8 +563,8 @@ SPECULATION_CASES = {
         [(0, 0), (0, 0), (1, 0)],
     ),
     "only_a_muon_group_clips": (
-        lambda t, k: BINDS if (t, k) == (2, "layer3") else IDLE,
-        {"layer3/*": "mtp"},
+        lambda t, k: BINDS if (t, k) == (2, "layer1") else IDLE,
+        {"layer1/*": "mtp"},
         [(0, 0), (1, 0), (1, 1)],
     ),
     "only_an_elementwise_group_clips": (
@@ -574,7 +578,7 @@ SPECULATION_CASES = {
 @pytest.mark.parametrize("case", SPECULATION_CASES)
 def test_pipelined_step_equals_the_serial_step(case):
     scale_of, norm_groups, flags = SPECULATION_CASES[case]
-    params = toy_params()
+    params = toy_params(layers=SPECULATION_LAYERS)
     grads = _scaled(random_grads(params, 4, 3), scale_of)
     (opt, p0, s0, m0, _), (_, p1, s1, m1, history) = _serial_and_pipelined(
         params, grads, grad_norm_group=norm_groups
@@ -626,12 +630,33 @@ def _run_train_steps(opt, params, grads, *, traced=False, **options):
         train_step = jax.jit(train_step)
     state_only = "options" in options  # the parameters live in the state's masters
     state, history = opt.init(params), []
-    params = None if state_only else jax.tree.map(jnp.copy, params)
+    # Placed as the step returns them, so that a jitted step compiles once, not again on step 2.
+    params = None if state_only else _replicated(opt, jax.tree.map(jnp.copy, params))
     for device_grads in grads:
         batch = jax.tree.map(lambda *g: np.stack(g), *device_grads)
         params, state, metrics = train_step(params, state, batch)
         history.append(metrics)
     return history, opt.gather_params(state) if state_only else params, state
+
+
+@functools.cache
+def _host_clips_serial_and_reference():
+    """The host tests' parameters and gradients, the serial step's last parameters and state
+    on them, and the reference's parameters: the same for every form, so computed once (only
+    read: nothing donates them)."""
+    params = toy_params(layers=SPECULATION_LAYERS)
+    grads = _scaled(random_grads(params, 4, len(HOST_CLIPS), seed=3), lambda t, k: HOST_CLIPS[t])
+    _, *serial = _run_train_steps(_toy_optimizer(params, False), params, grads)
+    want = reference_run(
+        params,
+        grads,
+        _toy_optimizer(params, True).plan.routes,
+        lr=LR,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        muon_config=MUON,
+    )
+    return params, grads, serial, want
 
 
 @pytest.mark.parametrize("form", HOST_FORMS)
@@ -640,24 +665,19 @@ def test_train_step_chooses_speculation_on_the_host_and_equals_the_serial_step(f
     between them on the host from the flag of the step before last (each step returns
     its flag apart from the donated state); traced inside a jit, it falls back to the
     conditional. Either way it computes the serial step."""
-    params = toy_params()
-    grads = _scaled(random_grads(params, 4, len(HOST_CLIPS), seed=3), lambda t, k: HOST_CLIPS[t])
+    params, grads, serial, want = _host_clips_serial_and_reference()
     traced = form == "conditional"
-    _, *serial = _run_train_steps(_toy_optimizer(params, False), params, grads)
     opt = _toy_optimizer(params, True)
     history, *pipelined = _run_train_steps(opt, params, grads, traced=traced, **HOST_FORMS[form])
     flags = [(int(m["speculated"]), int(m["recomputed"])) for m in history]
     assert flags == GUESSES["conditional" if traced else "host"]
     _assert_same_steps(serial, pipelined)
-    want = reference_run(
-        params, grads, opt.plan.routes, lr=LR, weight_decay=0.1, clip_grad=1.0, muon_config=MUON
-    )
     for a, b in zip(jax.tree.leaves(pipelined[0]), jax.tree.leaves(want)):
         assert np.max(np.abs(np.asarray(a) - b)) <= 1e-5 * np.max(np.abs(b))
 
 
 def test_train_step_refuses_a_pipelined_state_without_its_speculation_flag():
-    params = toy_params()
+    params = toy_params(layers=SPECULATION_LAYERS)
     opt = _toy_optimizer(params, True)
     batch = jax.tree.map(lambda x: np.zeros((4, *x.shape), np.float32), params)
     with pytest.raises(ValueError, match=r"state\.speculate: .* got None"):
@@ -729,7 +749,7 @@ def test_pipelined_step_skips_nonfinite_gradients(clip_grad, first):
     """A first step that clips or not, then one with an infinite gradient: skipped by the
     speculative step (after an idle step: its loops hand back the old momenta) or by the
     serial one (after a clipping step), which keeps the guess the first step left."""
-    params = toy_params()
+    params = toy_params(layers=SPECULATION_LAYERS)
     grads = _scaled(
         random_grads(params, 4, steps=2, seed=5), lambda t, k: first if t == 0 else IDLE
     )
@@ -759,7 +779,7 @@ def test_pipelined_step_refuses_a_state_without_its_speculation_flag():
 
 
 def test_pipelined_step_without_clipping_matches_reference():
-    params = toy_params()
+    params = toy_params(layers=SPECULATION_LAYERS)
     grads = random_grads(params, 4, steps=3)
     (opt, p0, s0, m0, _), (_, p1, s1, m1, _) = _serial_and_pipelined(params, grads, clip_grad=None)
     assert not set(SPECULATION_METRICS) & set(m1) and s1.speculate is None  # nothing to guess
@@ -866,7 +886,7 @@ def _with_bits(x: jax.Array, rng) -> jax.Array:
 
 @pytest.mark.parametrize("pipeline_muon, clip_grad", [(False, 1.0), (True, 1.0), (True, None)])
 def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
-    params = toy_params()
+    params = toy_params(layers=SPECULATION_LAYERS)
     config = OptimizerConfig(weight_decay=0.1, clip_grad=clip_grad, pipeline_muon=pipeline_muon)
     opt = _optimizer(  # the optimizers (and compiled steps) of the serial and pipelined tests
         params,
@@ -884,7 +904,7 @@ def test_a_skipped_step_keeps_the_state_bit_for_bit(pipeline_muon, clip_grad):
         masters=jax.tree.map(lambda m: _with_bits(m, rng), state.masters),
     )
     bad = random_grads(params, 4, steps=1)[0]
-    bad[3]["layer2"]["wo"][1, 1] = np.nan
+    bad[3]["layer1"]["wo"][1, 1] = np.nan
     _, new_state, metrics = _step_fn(opt)(_replicated(opt, params), state, _stacked(opt, bad))
     assert bool(metrics["skipped"])
     for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
@@ -966,6 +986,15 @@ def _wd_schedule(count):
 WD_ROUTING = RoutingRules(wd_mult={"layer0/wq": 0.5, "embed/*": 2.0})
 
 
+def _wd_params():
+    """One toy layer's attention only: Muon matrices with and without a wd_mult (wq, wo), 2-D
+    elementwise leaves with and without one (embed, head) and a vector (norm, no decay); the MLP
+    would add only more of the same leaves to compile."""
+    params = toy_params(layers=1)
+    params["layer0"] = {k: params["layer0"][k] for k in ("wq", "wo")}
+    return params
+
+
 def _wd_optimizer(params, weight_decay, pipeline_muon):
     return layerwise_muon(
         params,
@@ -1003,7 +1032,7 @@ def _wd_stepper(opt, form):
 def test_a_weight_decay_schedule_steps_as_its_float_value_at_each_count(form, pipeline_muon):
     """A scheduled weight decay gives, step by step, what an optimizer built with that step's
     value as a float gives (Muon matrices and 2-D elementwise leaves, with wd_mult)."""
-    params = toy_params(layers=1)
+    params = _wd_params()
     grads = random_grads(params, 2, steps=2, seed=5)  # two counts: the value changes between
     scheduled = _wd_optimizer(params, _wd_schedule, pipeline_muon)
     step = _wd_stepper(scheduled, form)
@@ -1019,10 +1048,10 @@ def test_a_weight_decay_schedule_steps_as_its_float_value_at_each_count(form, pi
 
 
 def test_weight_decay_schedule_is_accepted_and_a_float_stays_static():
-    opt = _wd_optimizer(toy_params(layers=1), _wd_schedule, False)
+    opt = _wd_optimizer(_wd_params(), _wd_schedule, False)
     assert opt.plan.config.weight_decay is _wd_schedule
     assert set(opt.plan.decay_of) == {0.0, 0.5, 1.0, 2.0}  # the multipliers the step scales
-    fixed = _wd_optimizer(toy_params(layers=1), 0.1, False)
+    fixed = _wd_optimizer(_wd_params(), 0.1, False)
     assert set(fixed.plan.decay_of) == {0.0, 0.1 * 0.5, 0.1, 0.1 * 2.0}  # constants of the step
     with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0 or a schedule"):
         OptimizerConfig(weight_decay="0.1")
