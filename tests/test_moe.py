@@ -100,7 +100,6 @@ def mesh_of(dp, ep):
     return Mesh(np.array(jax.devices()[: dp * ep]).reshape(dp, ep), ("dp", "ep"))
 
 
-@functools.cache
 def trained(
     dp,
     ep,
@@ -110,6 +109,13 @@ def trained(
     seed=3,
     overlap_param_gather=False,
 ):
+    """Three steps at ``dp`` x ``ep``: the optimizer, parameters, state and metrics; each setting
+    trained once in the module however its arguments are spelled (the results are read only)."""
+    return _trained(dp, ep, param_sync, pipeline_muon, clip_grad, seed, overlap_param_gather)
+
+
+@functools.cache
+def _trained(dp, ep, param_sync, pipeline_muon, clip_grad, seed, overlap_param_gather):
     params = moe_params()
     config = OptimizerConfig(
         weight_decay=CONFIG.weight_decay,

@@ -18,6 +18,14 @@ from lwjax.tools.render_plan import compared_elements
 LAYERS = 2  # the small preset: hidden 256, SwiGLU 704, vocabulary 4096
 
 
+@functools.cache
+def _compiled_small(layers: int, **sizes) -> dict:
+    """The small preset's step compiled at ``layers`` on a mesh of ``sizes`` (16 tokens), once
+    per module: the fsdp tests below read the same figures."""
+    request = CompileRequest("small", layers, PlanMesh(**sizes), PlanOptions(seq_len=16))
+    return compiled_figures(request)
+
+
 @pytest.mark.parametrize(
     "sizes",
     [dict(dp=8), dict(fsdp=8), dict(dp=2, fsdp=4), dict(dp=2, tp=4)],
@@ -30,7 +38,7 @@ def test_plan_is_what_xla_compiles(sizes):
     mesh = PlanMesh(**sizes)
     options = PlanOptions(seq_len=16)
     run = plan_run(preset_model("small", LAYERS), mesh, options)
-    compiled = compiled_figures(CompileRequest("small", LAYERS, mesh, options))
+    compiled = _compiled_small(LAYERS, **sizes)
     assert abs(run.state_bytes / compiled["held_bytes"] - 1) <= 0.05, (run.memory, compiled)
     assert compiled["temp_bytes"] > 0
     xla = {kind: elements for kind, (_, elements, _) in compiled["collectives"].items()}
@@ -143,13 +151,6 @@ def test_remat_is_on_with_fsdp_and_activations_follow_it():
     assert runs[None].memory == runs[True].memory
     assert runs[True].memory["activations"] < runs[False].memory["activations"]
     assert not PlanOptions().remat_on(PlanMesh(dp=8))
-
-
-@functools.cache
-def _compiled_small(layers: int, **sizes) -> dict:
-    """The small preset's step compiled at ``layers`` on a mesh of ``sizes`` (16 tokens)."""
-    request = CompileRequest("small", layers, PlanMesh(**sizes), PlanOptions(seq_len=16))
-    return compiled_figures(request)
 
 
 @pytest.mark.parametrize(

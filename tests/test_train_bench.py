@@ -100,13 +100,13 @@ def _adam_well_conditioned(grads, eps=1e-8):
 
 
 @pytest.mark.parametrize("contender", [tb.ADAMW_SHARDED, tb.ADAMW_REPLICATED])
-def test_adamw_step_at_dp4_is_the_single_device_full_batch_step(contender):
+def test_adamw_step_at_dp4_is_the_single_device_full_batch_step(
+    contender, lwjax_step_at_dp4, zero1_step_at_dp4
+):
     """Ground truth: full-batch mean gradient on one device, then optax AdamW (decay on
     matrices only)."""
-    params = init_params(CFG.model(), jax.random.key(0))
-    batch = np.asarray(
-        tb.synthetic_batch(mesh_of(4), CFG.micro_batch, CFG.seq_len, CFG.model().vocab_size)
-    )
+    params, batch, *_ = lwjax_step_at_dp4
+    batch = np.asarray(batch)
     grads = _grad(params, batch)
     decay = tree_from_keys(
         {
@@ -128,7 +128,10 @@ def test_adamw_step_at_dp4_is_the_single_device_full_batch_step(contender):
     updates, state = tx.update(grads, state, params)
     want = optax.apply_updates(params, updates)
 
-    got, got_state, _ = _one_step(contender, params, batch, dp=4)
+    if contender == tb.ADAMW_SHARDED:
+        got, got_state, _ = zero1_step_at_dp4
+    else:
+        got, got_state, _ = _one_step(contender, jax.tree.map(np.array, params), batch, dp=4)
     _assert_trees_close(got, want, 1e-5, where=_adam_well_conditioned(grads))
     # Adam's first moment is (1 - b1) g: the gradient itself, mean over the global batch
     # (Adam's step is scale-free).
@@ -136,11 +139,11 @@ def test_adamw_step_at_dp4_is_the_single_device_full_batch_step(contender):
     _assert_trees_close(mu, state[0].mu, 1e-5)
 
 
-def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
-    params = init_params(CFG.model(), jax.random.key(1))
-    batch = np.asarray(
-        tb.synthetic_batch(mesh_of(4), CFG.micro_batch, CFG.seq_len, CFG.model().vocab_size, seed=1)
-    )
+def test_muon_step_at_dp4_is_the_single_device_full_batch_step(lwjax_step_at_dp4):
+    """lwjax Muon's step at dp 4 (the fixture's) against layerwise_muon on one device given
+    the full-batch gradient."""
+    params, batch, got_opt, _, got, got_state, grad_norm = lwjax_step_at_dp4
+    batch = np.asarray(batch)
 
     mesh = mesh_of(
         1
@@ -169,7 +172,6 @@ def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
     want, want_state = step(grads, opt.init(params), params)
     assert sum(r.is_muon for r in opt.plan.routes) == 4  # qkv, proj, fc1, fc2
 
-    got, got_state, grad_norm = _one_step(tb.MUON, params, batch, dp=4)
     assert float(grad_norm) == pytest.approx(
         float(optax.tree.norm(grads)), rel=1e-5
     )  # the full-batch gradient's
@@ -179,29 +181,39 @@ def test_muon_step_at_dp4_is_the_single_device_full_batch_step():
     where = [np.ones(m.shape, bool) if r.is_muon else m for r, m in zip(opt.plan.routes, masks)]
     _assert_trees_close(got, want, 1e-5, where=where)
     _assert_trees_close(
-        got_state.momenta, to_logical(opt, want_state).momenta, 1e-5
+        to_logical(got_opt, got_state).momenta, to_logical(opt, want_state).momenta, 1e-5
     )  # (1 - beta) g
 
 
 @pytest.fixture(scope="module")
 def lwjax_step_at_dp4():
-    """lwjax's own contender's step at dp=4, taken once for both optax forms: the parameters,
-    batch and optimizer, the elements to compare, and the new parameters and state."""
+    """lwjax's own contender's step at dp=4, taken once for the tests below: the parameters,
+    batch and optimizer, the elements to compare, the new parameters and state, and the
+    gradient norm."""
     params = init_params(CFG.model(), jax.random.key(1))
     mesh = mesh_of(4)
     batch = tb.synthetic_batch(mesh, CFG.micro_batch, CFG.seq_len, CFG.model().vocab_size, seed=1)
     opt = tb.lwjax_optimizer(params, mesh, CFG)
     masks = jax.tree.leaves(_adam_well_conditioned(_grad(params, np.asarray(batch))))
     copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (the step donates)
-    want, want_state, *_ = tb.lwjax_step(CFG.loss(), opt)(copy(), opt.init(params), batch)
+    want, want_state, _, grad_norm = tb.lwjax_step(CFG.loss(), opt)(copy(), opt.init(params), batch)
     where = [np.ones(m.shape, bool) if r.is_muon else m for r, m in zip(opt.plan.routes, masks)]
-    return params, batch, opt, where, want, want_state
+    return params, batch, opt, where, want, want_state, grad_norm
+
+
+@pytest.fixture(scope="module")
+def zero1_step_at_dp4(lwjax_step_at_dp4):
+    """lwjax AdamW's (ZeRO-1) step at dp=4 from the same parameters and batch, taken once: the
+    new parameters, the logical state and the gradient norm."""
+    params, batch, *_ = lwjax_step_at_dp4
+    copy = jax.tree.map(np.array, params)  # the step donates
+    return _one_step(tb.ADAMW_SHARDED, copy, np.asarray(batch), dp=4)
 
 
 @pytest.mark.parametrize("per_device", [False, True], ids=["jax_grad", "lwjax_value_and_grad"])
 def test_optax_form_step_at_dp4_is_the_per_device_step(per_device, lwjax_step_at_dp4):
     """The optax-form contenders take the step lwjax's own contender takes."""
-    params, batch, opt, where, want, want_state = lwjax_step_at_dp4
+    params, batch, opt, where, want, want_state, _ = lwjax_step_at_dp4
     copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (the step donates)
     got, got_state, _ = tb.lwjax_optax_step(CFG.loss(), opt, per_device=per_device)(
         copy(), opt.init(params), batch
@@ -213,7 +225,7 @@ def test_optax_form_step_at_dp4_is_the_per_device_step(per_device, lwjax_step_at
 def test_overlapped_gather_takes_the_dp4_step(lwjax_step_at_dp4):
     """The gather-in-forward contender's step (parameters gathered from the masters at its
     start, none at its end) is bitwise lwjax's own."""
-    params, batch, opt, _, want, want_state = lwjax_step_at_dp4
+    params, batch, opt, _, want, want_state, _ = lwjax_step_at_dp4
     state, _, _ = tb.lwjax_step(CFG.loss(), opt, overlap_param_gather=True)(opt.init(params), batch)
     got, want = (opt.gather_params(state), state), (want, want_state)
     assert jax.tree.structure(got) == jax.tree.structure(want)
@@ -240,7 +252,7 @@ def test_unrolled_layers_take_the_stacked_step_at_dp4():
     got, *_ = tb.lwjax_step(unrolled.loss(), opt)(layers, opt.init(layers), batch)
     stack = lambda *xs: jnp.stack(xs)  # noqa: E731
     got["decoder"]["layers"] = jax.tree.map(stack, *got["decoder"]["layers"])
-    where = _adam_well_conditioned(jax.grad(cfg.loss())(params, np.asarray(batch)))
+    where = _adam_well_conditioned(jax.jit(jax.grad(cfg.loss()))(params, np.asarray(batch)))
     where = [np.ones(m.shape, bool) if m.ndim > 2 else m for m in jax.tree.leaves(where)]
     _assert_trees_close(got, want, 1e-5, where=where)
     first, second = (
@@ -279,7 +291,7 @@ def _muon_numel(config):
 def test_fsdp_muon_step_at_4_devices_is_the_replicated_step_at_dp4(lwjax_step_at_dp4):
     """The same step as lwjax Muon on replicated parameters, each parameter and its state
     left split four ways."""
-    params, batch, opt, where, want, want_state = lwjax_step_at_dp4
+    params, batch, opt, where, want, want_state, _ = lwjax_step_at_dp4
     mesh, specs, split, split_batch = _fsdp_inputs(params, batch)
     fsdp_opt = tb.lwjax_optimizer(split, mesh, FSDP)
     assert sum(r.is_muon for r in fsdp_opt.plan.routes) == 4  # qkv, proj, fc1, fc2
@@ -310,12 +322,11 @@ def test_fsdp_muon_step_at_4_devices_is_the_replicated_step_at_dp4(lwjax_step_at
     assert bytes_per_device((got, got_state)) == pytest.approx(whole / 4, rel=1e-3)
 
 
-def test_fsdp_adamw_step_with_remat_is_the_zero1_step(lwjax_step_at_dp4):
+def test_fsdp_adamw_step_with_remat_is_the_zero1_step(lwjax_step_at_dp4, zero1_step_at_dp4):
     """lwjax AdamW fully sharded, each layer gathered inside the rematerialised body, takes
     the ZeRO-1 AdamW step at dp 4."""
     params, batch, *_ = lwjax_step_at_dp4
-    copy = jax.tree.map(np.array, params)  # the step donates
-    want, want_state, want_norm = _one_step(tb.ADAMW_SHARDED, copy, np.asarray(batch), dp=4)
+    want, want_state, want_norm = zero1_step_at_dp4
     cfg = dataclasses.replace(FSDP, remat=True)
     mesh, _, split, split_batch = _fsdp_inputs(params, batch)
     opt = tb.lwjax_optimizer(split, mesh, cfg, muon=False)
@@ -501,7 +512,7 @@ def test_cli_overlapped_gather_trains_as_the_default_step_with_unrolled_layers(t
     train bitwise as lwjax's own (the same loss and gradient norm after the same steps), each
     Muon against its own AdamW; the trace runs (empty on CPU)."""
     argv = "bench --train-step --workload small --layers 2 --dp 2 --seq-len 16 --micro-batch 1"
-    argv += " --iters 1 --warmup 1 --no-baselines --overlap-param-gather --no-scan-layers"
+    argv += " --iters 1 --warmup 0 --no-baselines --overlap-param-gather --no-scan-layers"
     code = main([*argv.split(), "--profile", str(tmp_path / "trace"), "--out", str(tmp_path)])
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
@@ -606,7 +617,11 @@ def _run_recorded(cfg, monkeypatch):
 def test_train_step_pipelined_under_pgle_trains_as_the_serial_step(monkeypatch):
     """--train-step --pipeline-muon --pgle: the same steps (the jit path PGLE recompiles,
     speculation and all)."""
-    cfg = dataclasses.replace(CFG, dp_sizes=(2,), iters=1, warmup=3, baselines=False, clip_grad=1.0)
+    # XLA's default options for both runs: PGLE compiles through jit with those, so the serial
+    # run's AdamW and forward+backward are the executables the PGLE run compiles up front.
+    cfg = dataclasses.replace(
+        CFG, dp_sizes=(2,), iters=1, warmup=3, baselines=False, clip_grad=1.0, compiler_options={}
+    )
     (serial, serial_calls, serial_updates), (pipelined, calls, updates) = (
         _run_recorded(dataclasses.replace(cfg, pipeline_muon=on, pgle=on), monkeypatch)
         for on in (False, True)
