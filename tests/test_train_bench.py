@@ -21,9 +21,8 @@ from lwjax.megatron.model import init_params, unstack_layers
 from lwjax.muon import MuonConfig
 from lwjax.optimizer import OptimizerConfig, layerwise_muon, named_shardings
 from lwjax.tools import bench as tb
-from lwjax.tools.bench import PGLE_RUNS, TrainBenchConfig, train_contenders, workload_config
+from lwjax.tools.bench import PGLE_RUNS, train_contenders, workload_config
 from lwjax.tools.bench import config as bench_config
-from lwjax.tools.bench.train_contenders import TRAIN_STEP_CONTENDERS
 from lwjax.tools.cli import main
 from lwjax.tools.demo.devices import bytes_per_device
 
@@ -706,7 +705,9 @@ def test_no_adamw_leaves_out_every_lwjax_adamw_and_nothing_else(options):
     drops exactly the lwjax AdamW contenders of the setting."""
     names = {
         flag: [
-            c.name for c in TRAIN_STEP_CONTENDERS if c.runs(TrainBenchConfig(adamw=flag, **options))
+            c.name
+            for c in train_contenders.TRAIN_STEP_CONTENDERS
+            if c.runs(tb.TrainBenchConfig(adamw=flag, **options))
         ]
         for flag in (True, False)
     }
@@ -723,10 +724,10 @@ def test_attention_reaches_every_contenders_loss(monkeypatch):
         bench_config, "gpt_loss", lambda *args, **options: seen.append(options["attention"])
     )
     for attention in ("xla", "cudnn"):
-        TrainBenchConfig(attention=attention).loss()(None, jnp.zeros((1, 3), jnp.int32))
+        tb.TrainBenchConfig(attention=attention).loss()(None, jnp.zeros((1, 3), jnp.int32))
     assert seen == ["xla", "cudnn"]
     with pytest.raises(ValueError, match=r"TrainBenchConfig.attention must be one of \('auto'"):
-        TrainBenchConfig(attention="flash")
+        tb.TrainBenchConfig(attention="flash")
 
 
 FAKE_MEGATRON = """

@@ -185,6 +185,11 @@ def _fully_sharded(cfg: TrainBenchConfig) -> bool:
     return cfg.fsdp
 
 
+def _adamw(runs: Callable[[TrainBenchConfig], bool]) -> Callable[[TrainBenchConfig], bool]:
+    """``runs``, where the config also asks for lwjax AdamW (``TrainBenchConfig.adamw``)."""
+    return lambda cfg: cfg.adamw and runs(cfg)
+
+
 LWJAX_OUTPUTS = ("loss", "grad_norm")  # grad_norm above clip_grad: clipping bound
 TRAIN_STEP_CONTENDERS = (
     TrainContender(
@@ -222,18 +227,11 @@ TRAIN_STEP_CONTENDERS = (
         muon=True,
         overhead_over=(ADAMW_OVERLAP,),  # against AdamW with the same gathers
     ),
-    TrainContender(
-        ADAMW_SHARDED,
-        lambda cfg: _replicating(cfg) and cfg.adamw,
-        _lwjax(muon=False),
-        LWJAX_OUTPUTS,
-    ),
-    TrainContender(
-        ADAMW_FSDP, lambda cfg: _fully_sharded(cfg) and cfg.adamw, _lwjax(muon=False), LWJAX_OUTPUTS
-    ),
+    TrainContender(ADAMW_SHARDED, _adamw(_replicating), _lwjax(muon=False), LWJAX_OUTPUTS),
+    TrainContender(ADAMW_FSDP, _adamw(_fully_sharded), _lwjax(muon=False), LWJAX_OUTPUTS),
     TrainContender(
         ADAMW_OVERLAP,
-        lambda cfg: cfg.overlap_param_gather and cfg.adamw,
+        _adamw(lambda cfg: cfg.overlap_param_gather),
         _lwjax(muon=False, overlap=True),
         LWJAX_OUTPUTS,
     ),
