@@ -175,7 +175,8 @@ def test_every_schedule_gives_the_same_bits(small_grams, monkeypatch, axis):
     outs = []
     for inner in (True, False):
         jax.clear_caches()  # the kernels' jits hold the schedule they were traced with
-        monkeypatch.setattr(gram, "_schedule", lambda transposed: gram._Schedule(inner, 3))
+        schedule = gram._Schedule(matrices_inner=inner, stages=3)
+        monkeypatch.setattr(gram, "_schedule", lambda transposed, given=schedule: given)
         outs.append(
             (gram.upper_gram(x, axis, jnp.bfloat16), gram.polynomial(a_mat, (3.4, -4.7, 2.0)))
         )
