@@ -68,10 +68,20 @@ class Reference:
     def params(self):
         return jax.tree_util.tree_unflatten(self.treedef, [np.asarray(x) for x in self.leaves])
 
-    def step(self, grads):
+    def step(self, grads, update=None):
         """One step from the global mean gradient leaves; returns ``{group: norm}`` and
-        the zero count."""
+        the zero count. ``update``: :meth:`update` or a jitted copy of it."""
         g = [jnp.asarray(x, jnp.float32) for x in grads]
+        self.leaves, self.momenta, self.adam_state, norms = (update or self.update)(
+            self.leaves, self.momenta, self.adam_state, g
+        )
+        zeros = sum(int(np.sum(np.asarray(x) == 0)) for x in grads)
+        return {name: float(n) for name, n in norms.items()}, zeros
+
+    def update(self, leaves, momenta, adam_state, g):
+        """The step as a function of the state: new ``(leaves, momenta, adam_state)`` and
+        ``{group: norm}`` of the unclipped gradients ``g``."""
+        leaves, momenta = list(leaves), dict(momenta)
         groups = {}
         for i, r in enumerate(self.routes):
             groups.setdefault(r.grad_norm_group, []).append(i)
@@ -79,6 +89,7 @@ class Reference:
             name: jnp.sqrt(sum(jnp.sum(g[i] * g[i]) for i in idx)) for name, idx in groups.items()
         }
         if self.clip_grad:
+            g = list(g)
             for name, idx in groups.items():
                 coef = jnp.minimum(1.0, self.clip_grad / (norms[name] + 1e-6))
                 for i in idx:
@@ -87,23 +98,22 @@ class Reference:
         for i in self.muon_idx:
             r = self.routes[i]
             leaf, momentum = muon_lib.muon_update(
-                flip(_to_view(self.leaves[i], r)),
+                flip(_to_view(leaves[i], r)),
                 flip(_to_view(g[i], r)),
-                flip(_to_view(self.momenta[i], r)),
+                flip(_to_view(momenta[i], r)),
                 learning_rate=self.lr * r.lr_mult,
                 weight_decay=self.weight_decay * r.wd_mult,
                 config=self.muon,
                 qkv_split_shapes=r.qkv_split_shapes,
             )
-            self.leaves[i] = _from_view(flip(leaf), r)
-            self.momenta[i] = _from_view(flip(momentum), r)
-        updates, self.adam_state = self.adam.update([g[i] for i in self.adam_idx], self.adam_state)
+            leaves[i] = _from_view(flip(leaf), r)
+            momenta[i] = _from_view(flip(momentum), r)
+        updates, adam_state = self.adam.update([g[i] for i in self.adam_idx], adam_state)
         for i, u in zip(self.adam_idx, updates):
             r = self.routes[i]
             decay = self.weight_decay * r.wd_mult if len(r.param_shape) >= 2 else 0.0
-            self.leaves[i] = self.leaves[i] - (self.lr * r.lr_mult) * (u + decay * self.leaves[i])
-        zeros = sum(int(jnp.sum(x == 0)) for x in grads)
-        return {name: float(n) for name, n in norms.items()}, zeros
+            leaves[i] = leaves[i] - (self.lr * r.lr_mult) * (u + decay * leaves[i])
+        return leaves, momenta, adam_state, norms
 
     def logical(self):
         """``(masters, momenta, mu, nu)`` as parameter-shaped trees, ``None`` where a
@@ -155,10 +165,12 @@ def reference_train(params, loss_fn, batches, routes, **options):
     :class:`Reference` and per-step statistics."""
     ref = Reference(params, routes, **options)
     grad_fn = jax.jit(jax.grad(loss_fn))
+    # One compiled program per step instead of hundreds of small ones, op by op.
+    update = jax.jit(ref.update)
     stats = []
     for batch in batches:
         grads = jax.tree_util.tree_leaves(
             grad_fn(jax.tree_util.tree_unflatten(ref.treedef, ref.leaves), batch)
         )
-        stats.append(ref.step(grads))
+        stats.append(ref.step(grads, update))
     return ref, stats
