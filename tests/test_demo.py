@@ -88,17 +88,19 @@ def test_demo_config_rejects_bad_options():
 
 
 def test_run_demo_beats_unigram_and_writes_outputs(tmp_path):
-    metrics = run_demo(DemoConfig(steps=80, eval_every=40, out=str(tmp_path), **TINY))
+    # 60 steps: the two runs' steps are most of this test's time; lwjax still ends about 0.16
+    # nats under the bound (2.67 against 2.83).
+    metrics = run_demo(DemoConfig(steps=60, eval_every=30, out=str(tmp_path), **TINY))
     unigram = metrics["data"]["unigram_entropy"]
     lwjax_run, adamw = metrics["runs"]["lwjax"], metrics["runs"]["adamw"]
     assert metrics["devices"] == {"platform": "cpu", "count": 8}
-    assert [s for s, _ in lwjax_run["val_losses"]] == [0, 40, 80]
+    assert [s for s, _ in lwjax_run["val_losses"]] == [0, 30, 60]
     assert lwjax_run["val_losses"][0][1] == adamw["val_losses"][0][1]  # same initial weights
     assert lwjax_run["final_val_loss"] < unigram - 0.3, (lwjax_run["final_val_loss"], unigram)
     assert adamw["final_val_loss"] < adamw["val_losses"][0][1]
     # ZeRO-1-sized state: masters + moments over 8 ranks vs replicated mu and nu.
     assert lwjax_run["state_bytes_per_device"] < adamw["state_bytes_per_device"] / 2
-    assert lwjax_run["tokens_per_s"] > 0 and len(lwjax_run["train_losses"]) == 80
+    assert lwjax_run["tokens_per_s"] > 0 and len(lwjax_run["train_losses"]) == 60
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["runs"]["lwjax"]["final_val_loss"] == lwjax_run["final_val_loss"]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
