@@ -119,10 +119,8 @@ def _upper_gram(x: jax.Array, axis: int, dtype, interpret: bool) -> jax.Array:
     """:func:`upper_gram` after its checks."""
     rows, cols = x.shape[-2:]
     size, depth = (rows, cols) if axis == -1 else (cols, rows)
+    kernel = functools.partial(_upper_tiles, steps=depth // BLOCK_K, transposed=axis == -2)
     schedule = _schedule(transposed=axis == -2)
-    kernel = functools.partial(
-        _upper_tiles, steps=depth // BLOCK_K, transposed=axis == -2, schedule=schedule
-    )
     out = _tile_grid_call(kernel, (), x.reshape(-1, rows, cols), size, dtype, schedule, interpret)
     return out.reshape(*x.shape[:-2], size, size)
 
@@ -132,7 +130,8 @@ def _tile_grid_call(
 ) -> jax.Array:
     """``kernel`` run once per output tile ``(n, i, j)`` of a ``[matrices, size, size]``
     result in ``dtype``, reading ``operands`` (small 1-d arrays, whole) and matrix ``n`` of
-    ``stack``, its programs ordered and pipelined as ``schedule`` says."""
+    ``stack``, its programs ordered and pipelined as ``schedule`` says (``kernel`` is given
+    it, to find its tile: :func:`_tile`)."""
     tiles, matrices = size // BLOCK, stack.shape[0]
     if schedule.matrices_inner:
         grid, matrix_of = (matrices, tiles, tiles), lambda n, i, j: n
@@ -140,7 +139,7 @@ def _tile_grid_call(
         grid, matrix_of = (tiles, tiles, matrices), lambda i, j, n: n
     whole = [pl.BlockSpec(o.shape, lambda *ids: (0,)) for o in operands]
     return pl.pallas_call(
-        kernel,
+        functools.partial(kernel, schedule=schedule),
         out_shape=jax.ShapeDtypeStruct((matrices, size, size), dtype),
         grid=grid,
         in_specs=[
@@ -191,9 +190,9 @@ def polynomial(
 def _polynomial(gram: jax.Array, coefficients: jax.Array, interpret: bool) -> jax.Array:
     """:func:`polynomial` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
     size = gram.shape[-1]
-    schedule = _schedule(transposed=False)
-    kernel = functools.partial(_polynomial_tiles, steps=size // BLOCK_K, schedule=schedule)
+    kernel = functools.partial(_polynomial_tiles, steps=size // BLOCK_K)
     stack = gram.reshape(-1, size, size)
+    schedule = _schedule(transposed=False)
     return _tile_grid_call(
         kernel, (coefficients,), stack, size, gram.dtype, schedule, interpret
     ).reshape(gram.shape)
