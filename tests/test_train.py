@@ -1,5 +1,5 @@
 """``jit_shard_map``: donated buffers are paired with their own outputs by JAX, not by
-byte size in XLA."""
+byte size in XLA, unread parameters included."""
 
 import re
 
@@ -45,12 +45,19 @@ def _workload(pipeline_muon=False):
     return mesh, params, opt, bench.local_grads(shapes, mesh, jnp.bfloat16, 1e-2)
 
 
-def test_donated_state_is_aliased_to_its_own_outputs_when_the_parameters_are_not_read():
-    """The benchmark's step: new parameters have no donor, so without out_shardings XLA
-    pairs by size and crosses.
+def _pointers(tree) -> list[list[int]]:
+    return [
+        [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+        for x in jax.tree.leaves(tree)
+    ]
+
+
+def test_donated_parameters_and_state_are_aliased_when_the_parameters_are_not_read():
+    """The benchmark's step never reads its parameters (it rebuilds them from the masters).
 
     Without ``out_shardings`` JAX marks every donated buffer ``jax.buffer_donor``
-    (here all 7 state leaves) and leaves the pairing to XLA.
+    and leaves the pairing to XLA, which pairs by size and crosses; without
+    ``keep_unused`` JAX prunes the unread parameters, and the new ones have no donor.
     """
     mesh, params, opt, grads = _workload(pipeline_muon=True)
     state = opt.init(params)
@@ -73,7 +80,8 @@ def test_donated_state_is_aliased_to_its_own_outputs_when_the_parameters_are_not
     for step in steps.values():
         pairs, main = _aliases(step.lower(params, state, grads).as_text())
         assert "jax.buffer_donor" not in main
-        assert len(pairs) == len(jax.tree.leaves(state)) and all(a == r for a, r in pairs)
+        donated = len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))
+        assert len(pairs) == donated and all(a == r for a, r in pairs)
         # The flag returned apart from the state (the last output) takes no donated buffer:
         # the state's own flag does.
         outputs = len(re.findall(r"tensor<[^>]*>", main.split(") -> (")[1]))
@@ -107,3 +115,14 @@ def test_train_step_signature_aliases_parameters_and_state():
     assert "jax.buffer_donor" not in main
     assert len(pairs) == len(jax.tree.leaves(params)) + len(jax.tree.leaves(state))
     assert all(a == r for a, r in pairs)
+
+
+def test_a_step_that_does_not_read_its_parameters_writes_every_output_in_place():
+    """Each new parameter and state buffer lands where its donated argument was, call
+    after call: a buffer that moves makes XLA re-record the step's CUDA graph on GPU."""
+    _, params, opt, grads = _workload()
+    step = bench.optimizer_step(opt)
+    args = step(params, opt.init(params), grads)
+    before = _pointers(args)
+    args = step(*args, grads)
+    assert _pointers(args) == before
