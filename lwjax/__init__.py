@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from lwjax.optimizer import LayerwiseOptimizer as LayerwiseOptimizer
     from lwjax.optimizer import layerwise_muon as layerwise_muon
     from lwjax.parallel.gather import gather_params as gather_params
+    from lwjax.parallel.jit import jit_shard_map as jit_shard_map
     from lwjax.state import LayerwiseState as LayerwiseState
-    from lwjax.train import jit_shard_map as jit_shard_map
     from lwjax.train import make_train_step as make_train_step
     from lwjax.train import value_and_grad as value_and_grad
     from lwjax.train_options import TrainStepOptions as TrainStepOptions
@@ -56,7 +56,7 @@ _LAZY = {
     "layerwise_muon": "lwjax.optimizer",
     "gather_params": "lwjax.parallel.gather",
     "LayerwiseState": "lwjax.state",
-    "jit_shard_map": "lwjax.train",
+    "jit_shard_map": "lwjax.parallel.jit",
     "make_train_step": "lwjax.train",
     "value_and_grad": "lwjax.train",
     "TrainStepOptions": "lwjax.train_options",

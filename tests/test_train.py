@@ -9,8 +9,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from lwjax.parallel.jit import jit_shard_map
 from lwjax.tools import bench
-from lwjax.train import jit_shard_map
 
 
 def _aliases(lowered_text: str) -> tuple[list[tuple[str, str]], str]:

@@ -111,10 +111,10 @@ def _training_step(request: CompileRequest):
 
     from lwjax.optimizer import state_shardings
     from lwjax.parallel.gather import gather_params
+    from lwjax.parallel.jit import jit_shard_map
     from lwjax.tools.bench.config import TrainBenchConfig
     from lwjax.tools.bench.train_steps import lwjax_optimizer, lwjax_step
     from lwjax.tools.bench.workloads import workload_optimizer
-    from lwjax.train import jit_shard_map
 
     mesh_shape, options = request.mesh, request.options
     model = gpt_model(request.preset, request.layers)

@@ -30,6 +30,7 @@ from lwjax.groups import AutoGroups
 from lwjax.layout import LayoutConfig
 from lwjax.megatron.gpt import GPTConfig
 from lwjax.optimizer import LayerwiseOptimizer
+from lwjax.parallel.jit import jit_shard_map
 from lwjax.parallel.mesh import group_mesh, resolved_layout
 from lwjax.speculation import FIRST_SPECULATION, chosen_on_host
 from lwjax.state import speculates
@@ -40,7 +41,6 @@ from lwjax.tools.bench.profile import profile_steps
 from lwjax.tools.bench.synthetic import constant_params, local_grads
 from lwjax.tools.bench.timing import pgle, time_back_to_back, time_steps, warmup_calls
 from lwjax.tools.bench.workloads import workload_optimizer, workload_shapes
-from lwjax.train import jit_shard_map
 
 TP_FLOOR_SKIPPED = (
     "not measured at tp > 1: the floor times only the data-parallel reduce-scatter and "

@@ -22,10 +22,11 @@ from jax.sharding import PartitionSpec as P
 
 from lwjax.optimizer import LayerwiseOptimizer, state_shardings
 from lwjax.parallel.gather import WHOLE, ParamGather
+from lwjax.parallel.jit import jit_shard_map
 from lwjax.tools.bench.config import TrainBenchConfig
 from lwjax.tools.bench.fsdp import FSDP_AXIS
 from lwjax.tools.bench.workloads import workload_optimizer
-from lwjax.train import jit_shard_map, make_train_step, value_and_grad
+from lwjax.train import make_train_step, value_and_grad
 from lwjax.train_options import TrainStepOptions
 
 

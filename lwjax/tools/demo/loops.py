@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwjax.train import jit_shard_map
+from lwjax.parallel.jit import jit_shard_map
 
 
 def make_replicated_step(
