@@ -25,7 +25,7 @@ from lwjax import muon as muon_lib
 from lwjax import shards
 from lwjax.parallel.counted import count_once, counted_elements, first_device
 from lwjax.parallel.exchange import SplitExchange, split_exchange
-from lwjax.parallel.ns_deal import is_dealt
+from lwjax.parallel.ns_deal import is_joint
 from lwjax.plan import BufferPlan, SlotGroup, StepPlan
 
 
@@ -46,9 +46,9 @@ class BucketView:
       exchanges: Per slot group, how its matrices are split over the tensor axes
         (``None``: whole on each device).
       scratch: Zeros a shard needs past its end for spare slots (:func:`lwjax.shards.slot_groups`).
-      dealt: Per slot group, whether its matrices are dealt to devices
-        (:func:`lwjax.parallel.ns_deal.is_dealt`): their directions come from the
-        step's joint exchange (:mod:`lwjax.joint_directions`), not from this bucket.
+      joint: Per slot group, whether its directions come from the step's joint pass
+        (:mod:`lwjax.joint_directions`, :func:`lwjax.parallel.ns_deal.is_joint`), not
+        from this bucket's update.
     """
 
     buffer_index: int
@@ -58,7 +58,7 @@ class BucketView:
     groups: tuple[SlotGroup, ...]
     exchanges: tuple[SplitExchange | None, ...]
     scratch: int
-    dealt: tuple[bool, ...]
+    joint: tuple[bool, ...]
 
     @property
     def is_layer_wise(self) -> bool:
@@ -67,8 +67,8 @@ class BucketView:
 
     @property
     def own_groups(self) -> list[int]:
-        """The slot groups whose directions the bucket computes itself (not dealt)."""
-        return [j for j, dealt in enumerate(self.dealt) if not dealt]
+        """The slot groups whose directions the bucket computes itself (not joint)."""
+        return [j for j, joint in enumerate(self.joint) if not joint]
 
     @property
     def size(self) -> int:
@@ -99,9 +99,9 @@ def bucket_views(plan: StepPlan, ranks) -> list[list[BucketView]]:
                 )
                 for g in groups
             )
-            dealt = tuple(map(is_dealt, groups))
+            joint = tuple(is_joint(g, buffer) for g in groups)
             per_buffer.append(
-                BucketView(i, k, buffer, rank, tuple(groups), exchanges, scratch, dealt)
+                BucketView(i, k, buffer, rank, tuple(groups), exchanges, scratch, joint)
             )
         views.append(per_buffer)
     return views

@@ -16,6 +16,8 @@ rounds once to the output dtype. :func:`polynomial` forms the step's whole facto
 with the same tile of :math:`a I + b A` before it rounds: no fp32 :math:`A^2` is
 written, and no pass over it follows. Below ``MIN_SIZE`` the kernel's tiles lose to
 cuBLAS, so :func:`fits` turns those stacks down (timings: docs/benchmarks.md).
+:func:`upper_grams` and :func:`polynomials` launch several stacks' tiles as one
+kernel, so that no stack's last partial round of tiles leaves the GPU idle.
 
 The kernel needs a GPU with bf16 tensor cores (Ampere or newer). It has no
 sharding rule: call it on device-local stacks (inside ``shard_map``, as the
@@ -25,6 +27,7 @@ optimizer does), or XLA gathers a sharded stack onto every device first.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -42,9 +45,8 @@ _NUM_WARPS = 4
 class _Schedule(NamedTuple):
     """How a stack's tile programs are ordered and pipelined.
 
-    Pallas on Triton launches the grid's first axis fastest. ``matrices_inner``
-    puts the matrix index there (consecutive programs take one tile of successive
-    matrices); otherwise the programs run matrix after matrix.
+    ``matrices_inner`` puts the matrix index fastest (consecutive programs take one tile
+    of successive matrices); otherwise the programs run matrix after matrix.
     """
 
     matrices_inner: bool
@@ -52,14 +54,46 @@ class _Schedule(NamedTuple):
 
 
 def _schedule(transposed: bool) -> _Schedule:
-    """The faster schedule for :math:`X^\\top X` (``transposed``: the rows are contracted,
-    tall matrices) or :math:`X X^\\top`, measured on one H200 over every stack of the 1b and
-    8b workloads (docs/benchmarks.md, thirty-third session): contracting rows, matrices
-    inner and 4 stages (8b's ``[28672, 4096]``: 0.78 -> 0.67 ms); contracting columns,
-    matrix after matrix and 3 stages (1b's ``[8, 2048, 2048]``: 0.158 -> 0.135 ms).
+    """The faster schedule for one stack, :math:`X^\\top X` (``transposed``: the rows are
+    contracted, tall matrices) or :math:`X X^\\top`, measured on one H200 over every stack of
+    the 1b and 8b workloads (docs/benchmarks.md, thirty-third session): contracting rows,
+    matrices inner and 4 stages (8b's ``[28672, 4096]``: 0.78 -> 0.67 ms); contracting
+    columns, matrix after matrix and 3 stages (1b's ``[8, 2048, 2048]``: 0.158 -> 0.135 ms).
     The schedule changes no result bit: each tile sums the same slices in the same order.
     """
     return _Schedule(matrices_inner=True, stages=4) if transposed else _Schedule(False, 3)
+
+
+def _together(transposed: bool) -> _Schedule:
+    """The schedule of stacks launched together (:func:`upper_grams`, :func:`polynomials`),
+    ``transposed`` if any of them contracts rows: matrix after matrix, the stages as one such
+    stack takes them. Over the 1b step's stacks joined by shape (docs/benchmarks.md,
+    thirty-fifth session): 57.6 ms of Newton–Schulz matrix after matrix against 63.0 ms with
+    the rows-contracted stack's matrices inner; 57.3 ms with 4 stages."""
+    return _Schedule(matrices_inner=False, stages=_schedule(transposed).stages)
+
+
+class _Programs(NamedTuple):
+    """The programs of one stack in a launch: one per output tile ``(n, i, j)``."""
+
+    start: int  # the launch's program index of the stack's first
+    matrices: int
+    tiles: int  # tiles a side of each matrix's result
+    steps: int  # BLOCK_K slices of the contracted axis
+    transposed: bool  # the rows are contracted
+    matrices_inner: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.matrices * self.tiles**2
+
+    def tile(self, p):
+        """``(n, i, j)`` of the launch's program ``p`` (clamped into this stack)."""
+        q, t = jnp.clip(p - self.start, 0, self.end - self.start - 1), self.tiles
+        if self.matrices_inner:
+            rest = q // self.matrices
+            return q % self.matrices, rest % t, rest // t
+        return q // (t * t), q % t, (q // t) % t
 
 
 def fits(shape: tuple[int, ...], axis: int, dtype) -> bool:
@@ -102,60 +136,121 @@ def upper_gram(x: jax.Array, axis: int, dtype, *, interpret: bool = False) -> ja
     Raises:
       ValueError: If the stack is not one :func:`fits` takes.
     """
+    _check_gram("upper_gram", "x", x, axis)
+    return _upper_grams((x,), (axis,), jnp.dtype(dtype), False, interpret)[0]
+
+
+def upper_grams(
+    xs: Sequence[jax.Array], axes: Sequence[int], dtype, *, interpret: bool = False
+) -> list[jax.Array]:
+    """:func:`upper_gram` of several stacks in one launch.
+
+    Launched alone, each stack ends in a round of tiles too few to fill the GPU
+    (a pair of 1b's ``[16384, 2048]`` matrices: 272 tiles for 264 slots, so a
+    second round of 8). Launched together, heaviest tiles first, the light
+    stacks fill the heavy ones' last rounds. Every tile is the one
+    :func:`upper_gram` computes, bit for bit.
+
+    Args:
+      xs: Arrays ``[..., r, c]`` of bf16, each a stack :func:`fits` takes.
+      axes: Each stack's contracted axis, -1 or -2.
+      dtype: Output dtype.
+      interpret: Run the kernel in Pallas' interpreter (any backend; for tests).
+
+    Raises:
+      ValueError: If ``axes`` does not give one axis per stack, or a stack is
+        not one :func:`fits` takes (named by its index).
+    """
+    xs, axes = tuple(xs), tuple(axes)
+    if len(xs) != len(axes):
+        raise ValueError(f"upper_grams: expected one axis per stack; got {len(xs)=}, {axes=}.")
+    for k, (x, axis) in enumerate(zip(xs, axes)):
+        _check_gram("upper_grams", f"xs[{k}]", x, axis)
+    return _upper_grams(xs, axes, jnp.dtype(dtype), True, interpret)
+
+
+def _check_gram(where: str, name: str, x: jax.Array, axis: int) -> None:
     if not fits(x.shape, axis, x.dtype):
         raise ValueError(
-            "upper_gram: expected a bf16 [..., r, c] stack whose Gram edge is a multiple of "
-            f"{BLOCK} and at least {MIN_SIZE}, contracted (axis -1 or -2) over a multiple of "
-            f"{BLOCK_K}; got {x.shape=}, {x.dtype=}, {axis=}."
+            f"{where}: expected {name} a bf16 [..., r, c] stack whose Gram edge is a multiple "
+            f"of {BLOCK} and at least {MIN_SIZE}, contracted (axis -1 or -2) over a multiple "
+            f"of {BLOCK_K}; got {name}.shape={x.shape}, {name}.dtype={x.dtype}, {axis=}."
         )
-    return _upper_gram(x, axis, jnp.dtype(dtype), interpret)
 
 
 # Jitted so that a step with many calls on stacks of one shape traces and lowers the kernel
 # once per shape (Newton-Schulz calls it twice a step for every slot group: 200 calls and
 # 4.6 s of tracing and lowering in the 1b workload's step when each was built anew).
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _upper_gram(x: jax.Array, axis: int, dtype, interpret: bool) -> jax.Array:
-    """:func:`upper_gram` after its checks."""
-    rows, cols = x.shape[-2:]
-    size, depth = (rows, cols) if axis == -1 else (cols, rows)
-    kernel = functools.partial(_upper_tiles, steps=depth // BLOCK_K, transposed=axis == -2)
-    schedule = _schedule(transposed=axis == -2)
-    out = _tile_grid_call(kernel, (), x.reshape(-1, rows, cols), size, dtype, schedule, interpret)
-    return out.reshape(*x.shape[:-2], size, size)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _upper_grams(xs, axes, dtype, together: bool, interpret: bool) -> list[jax.Array]:
+    """:func:`upper_grams` after its checks (``together=False``: one stack, scheduled alone)."""
+    stacks, kernels = [], []
+    for x, axis in zip(xs, axes):
+        rows, cols = x.shape[-2:]
+        stacks.append(x.reshape(-1, rows, cols))
+        size, depth = (rows, cols) if axis == -1 else (cols, rows)
+        kernels.append((size, depth, axis == -2))
+    outs = _launch(_gram_tile, (), stacks, kernels, dtype, together, interpret)
+    return [o.reshape(*x.shape[:-2], *o.shape[-2:]) for o, x in zip(outs, xs)]
 
 
-def _tile_grid_call(
-    kernel, operands, stack, size: int, dtype, schedule: _Schedule, interpret: bool
-) -> jax.Array:
-    """``kernel`` run once per output tile ``(n, i, j)`` of a ``[matrices, size, size]``
-    result in ``dtype``, reading ``operands`` (small 1-d arrays, whole) and matrix ``n`` of
-    ``stack``, its programs ordered and pipelined as ``schedule`` says (``kernel`` is given
-    it, to find its tile: :func:`_tile`)."""
-    tiles, matrices = size // BLOCK, stack.shape[0]
-    if schedule.matrices_inner:
-        grid, matrix_of = (matrices, tiles, tiles), lambda n, i, j: n
-    else:
-        grid, matrix_of = (tiles, tiles, matrices), lambda i, j, n: n
-    whole = [pl.BlockSpec(o.shape, lambda *ids: (0,)) for o in operands]
+def _launch(tile, operands, stacks, kernels, dtype, together: bool, interpret: bool):
+    """One program per output tile ``(n, i, j)`` of every stack's ``[matrices, size, size]``
+    result in ``dtype``: ``tile(operand_refs, stack_ref, out_ref, i, j, programs)`` on matrix
+    ``n`` where ``i <= j``. ``kernels`` gives each stack's ``(size, depth, transposed)``;
+    ``operands`` are small 1-d arrays every program reads whole. Stacks with deeper tiles
+    launch first; each stack's programs run as :func:`_schedule` says, or as
+    :func:`_together` says with ``together``."""
+    order = sorted(range(len(stacks)), key=lambda k: -kernels[k][1])
+    together_schedule = _together(any(transposed for *_, transposed in kernels))
+    programs, start = [None] * len(stacks), 0
+    for k in order:
+        size, depth, transposed = kernels[k]
+        schedule = together_schedule if together else _schedule(transposed)
+        programs[k] = _Programs(
+            start,
+            stacks[k].shape[0],
+            size // BLOCK,
+            depth // BLOCK_K,
+            transposed,
+            schedule.matrices_inner,
+        )
+        start = programs[k].end
+    stages = (together_schedule if together else _schedule(kernels[0][2])).stages
+
+    def kernel(*refs):
+        fixed = refs[: len(operands)]
+        ins, outs = refs[len(operands) : -len(stacks)], refs[-len(stacks) :]
+        p = pl.program_id(0)
+        for of, in_ref, out_ref in zip(programs, ins, outs):
+
+            @pl.when((p >= of.start) & (p < of.end))
+            def _(of=of, in_ref=in_ref, out_ref=out_ref):
+                _, i, j = of.tile(p)
+
+                @pl.when(i <= j)
+                def _():
+                    tile(fixed, in_ref, out_ref, i, j, of)
+
+    matrix = lambda of: lambda p: (of.tile(p)[0], 0, 0)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(kernel, schedule=schedule),
-        out_shape=jax.ShapeDtypeStruct((matrices, size, size), dtype),
-        grid=grid,
-        in_specs=[
-            *whole,
-            pl.BlockSpec((None, *stack.shape[1:]), lambda *ids: (matrix_of(*ids), 0, 0)),
+        kernel,
+        out_shape=[
+            jax.ShapeDtypeStruct((s.shape[0], size, size), dtype)
+            for s, (size, _, _) in zip(stacks, kernels)
         ],
-        out_specs=pl.BlockSpec((None, size, size), lambda *ids: (matrix_of(*ids), 0, 0)),
-        compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=schedule.stages),
+        grid=(start,),
+        in_specs=[
+            *(pl.BlockSpec(o.shape, lambda p: (0,)) for o in operands),
+            *(pl.BlockSpec((None, *s.shape[1:]), matrix(of)) for s, of in zip(stacks, programs)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, size, size), matrix(of))
+            for (size, _, _), of in zip(kernels, programs)
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=stages),
         interpret=interpret,
-    )(*operands, stack)
-
-
-def _tile(schedule: _Schedule) -> tuple[jax.Array, jax.Array]:
-    """The program's output tile ``(i, j)`` under ``schedule``."""
-    first = 1 if schedule.matrices_inner else 0
-    return pl.program_id(first), pl.program_id(first + 1)
+    )(*operands, *stacks)
 
 
 def polynomial(
@@ -177,25 +272,51 @@ def polynomial(
     Raises:
       ValueError: If the stack is not square or not one :func:`fits` takes.
     """
-    if gram.ndim < 2 or gram.shape[-1] != gram.shape[-2] or not fits(gram.shape, -1, gram.dtype):
+    _check_square("polynomial", "gram", gram)
+    return _polynomials((gram,), _coefficients(coefficients), False, interpret)[0]
+
+
+def polynomials(
+    grams: Sequence[jax.Array],
+    coefficients: tuple[float, float, float],
+    *,
+    interpret: bool = False,
+) -> list[jax.Array]:
+    """:func:`polynomial` of several stacks in one launch, with the same coefficients
+    (heaviest tiles first, as :func:`upper_grams` launches them; bit for bit the same).
+
+    Raises:
+      ValueError: If a stack is not square or not one :func:`fits` takes (named by its index).
+    """
+    grams = tuple(grams)
+    for k, a in enumerate(grams):
+        _check_square("polynomials", f"grams[{k}]", a)
+    return _polynomials(grams, _coefficients(coefficients), True, interpret)
+
+
+def _check_square(where: str, name: str, a: jax.Array) -> None:
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2] or not fits(a.shape, -1, a.dtype):
         raise ValueError(
-            "polynomial: expected a square bf16 [..., s, s] stack with s a multiple of "
-            f"{BLOCK} and at least {MIN_SIZE}; got {gram.shape=}, {gram.dtype=}."
+            f"{where}: expected {name} a square bf16 [..., s, s] stack with s a multiple of "
+            f"{BLOCK} and at least {MIN_SIZE}; got {name}.shape={a.shape}, "
+            f"{name}.dtype={a.dtype}."
         )
+
+
+def _coefficients(coefficients: tuple[float, float, float]) -> jax.Array:
     a, b, c = coefficients
-    return _polynomial(gram, jnp.asarray([a, b, c, 0.0], jnp.float32), interpret)
+    return jnp.asarray([a, b, c, 0.0], jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _polynomial(gram: jax.Array, coefficients: jax.Array, interpret: bool) -> jax.Array:
-    """:func:`polynomial` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
-    size = gram.shape[-1]
-    kernel = functools.partial(_polynomial_tiles, steps=size // BLOCK_K)
-    stack = gram.reshape(-1, size, size)
-    schedule = _schedule(transposed=False)
-    return _tile_grid_call(
-        kernel, (coefficients,), stack, size, gram.dtype, schedule, interpret
-    ).reshape(gram.shape)
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _polynomials(grams, coefficients: jax.Array, together: bool, interpret: bool) -> list:
+    """:func:`polynomials` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
+    stacks = [a.reshape(-1, *a.shape[-2:]) for a in grams]
+    kernels = [(a.shape[-1], a.shape[-1], False) for a in grams]
+    outs = _launch(
+        _factor_tile, (coefficients,), stacks, kernels, jnp.bfloat16, together, interpret
+    )
+    return [o.reshape(a.shape) for o, a in zip(outs, grams)]
 
 
 def _tile_product(x_ref, i, j, steps: int, transposed: bool) -> jax.Array:
@@ -227,31 +348,24 @@ def _store_with_mirror(out_ref, i, j, tile: jax.Array) -> None:
         out_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)] = tile.T.astype(out_ref.dtype)
 
 
-def _upper_tiles(x_ref, out_ref, *, steps: int, transposed: bool, schedule: _Schedule):
-    """Program ``(n, i, j)``: tile ``(i, j)`` of matrix ``n`` and its mirror, if ``i <= j``."""
-    i, j = _tile(schedule)
-
-    @pl.when(i <= j)
-    def _():
-        _store_with_mirror(out_ref, i, j, _tile_product(x_ref, i, j, steps, transposed))
+def _gram_tile(fixed, x_ref, out_ref, i, j, of: _Programs) -> None:
+    """Tile ``(i, j)`` of one matrix's Gram product and its mirror."""
+    del fixed
+    _store_with_mirror(out_ref, i, j, _tile_product(x_ref, i, j, of.steps, of.transposed))
 
 
-def _polynomial_tiles(coefficients_ref, a_ref, out_ref, *, steps: int, schedule: _Schedule):
-    """Program ``(n, i, j)``: tile ``(i, j)`` of ``a I + b A + c A A^T`` and its mirror, if
-    ``i <= j``; the same sums, in the same order, as the factor XLA would form from
-    :func:`upper_gram`'s fp32 ``A A^T``."""
-    i, j = _tile(schedule)
-
-    @pl.when(i <= j)
-    def _():
-        square = _tile_product(a_ref, i, j, steps, transposed=False)
-        slot = lax.broadcasted_iota(jnp.int32, (4,), 0)
-        coefficients = coefficients_ref[...]
-        a, b, c = (jnp.sum(jnp.where(slot == k, coefficients, 0.0)) for k in range(3))
-        rows = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-        cols = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-        eye = jnp.where((rows == cols) & (i == j), 1.0, 0.0)
-        linear = a * eye + b * a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(
-            jnp.float32
-        )
-        _store_with_mirror(out_ref, i, j, linear + c * square)
+def _factor_tile(fixed, a_ref, out_ref, i, j, of: _Programs) -> None:
+    """Tile ``(i, j)`` of ``a I + b A + c A A^T`` and its mirror: the same sums, in the same
+    order, as the factor XLA would form from :func:`upper_gram`'s fp32 ``A A^T``."""
+    (coefficients_ref,) = fixed
+    square = _tile_product(a_ref, i, j, of.steps, transposed=False)
+    slot = lax.broadcasted_iota(jnp.int32, (4,), 0)
+    coefficients = coefficients_ref[...]
+    a, b, c = (jnp.sum(jnp.where(slot == k, coefficients, 0.0)) for k in range(3))
+    rows = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+    eye = jnp.where((rows == cols) & (i == j), 1.0, 0.0)
+    linear = a * eye + b * a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(
+        jnp.float32
+    )
+    _store_with_mirror(out_ref, i, j, linear + c * square)

@@ -1,4 +1,7 @@
-"""The Muon directions of every dealt split matrix of a step, in one exchange across buckets.
+"""The Muon directions of a step's joint pass: every bucket's, before any bucket's update.
+
+Two kinds of slot group run here (:func:`lwjax.parallel.ns_deal.is_joint`): split
+matrices dealt to devices, and, in a buffer of one data-parallel rank, whole matrices.
 
 Under ``tp_mode="duplicated"`` each split matrix is assembled whole on the
 device the plan dealt it to (:mod:`lwjax.parallel.ns_deal`), which balances the
@@ -11,7 +14,16 @@ one ``all_to_all`` out and one back per shape of block (same-shape matrices of
 all buckets in one batch, :func:`lwjax.parallel.exchange.assembled_together`),
 Newton–Schulz on each device's dealt matrices. The buckets' updates then apply
 them (:func:`lwjax.bucket_update.update_and_gather`); other slot groups (whole
-matrices, other modes) are computed bucket by bucket as before.
+matrices at several data-parallel ranks, other modes) are computed bucket by bucket.
+
+With one data-parallel rank no bucket's gather waits to overlap a later bucket's
+Newton–Schulz, so every whole matrix of the step runs in one
+:func:`~lwjax.newton_schulz.newton_schulz_many`: same-shape stacks of all buckets as
+one, each step's upper-tile kernels for all of them in one launch. Launched bucket by
+bucket, each stack's last round of tiles left most of the GPU idle: the 1b workload's
+Newton–Schulz took 57.6 ms together against 61.5 ms apart (one H200, docs/benchmarks.md,
+thirty-fifth session). Every whole matrix's iterates are then alive together: at 1b,
+XLA's estimate of the optimizer step's temporaries grew from 3.4 to 4.2 GB.
 
 Memory: the directions (bf16 under ``"medium"``) and momenta of every dealt
 matrix are alive together, but each shape's exchange buffers hold the most
@@ -35,12 +47,12 @@ from lwjax.parallel.exchange import SplitExchange, assembled_together
 from lwjax.plan import StepPlan
 
 
-class _Dealt(NamedTuple):
-    """One dealt slot group of one bucket, its Newton–Schulz pending."""
+class _Pending(NamedTuple):
+    """One joint slot group of one bucket, its Newton–Schulz pending."""
 
     bucket: BucketView
     group: int  # Its index among the bucket's slot groups.
-    exchange: SplitExchange
+    exchange: SplitExchange | None  # None: whole matrices.
     momentum: jax.Array | None  # The new momentum (None: written into the bucket's already).
     stacks: list  # What Newton–Schulz runs on (lwjax.muon.polar_pieces).
     join: Any  # Newton–Schulz of each stack -> the direction.
@@ -50,7 +62,7 @@ class _Dealt(NamedTuple):
 def joint_directions(
     plan: StepPlan, views, momenta, grad_shards, stats=None, *, write_momenta: bool = True
 ) -> Directions | None:
-    """The Muon directions of every dealt slot group of the step, ``None`` if it has none.
+    """The Muon directions of every joint slot group of the step, ``None`` if it has none.
 
     Args:
       plan: The step's plan.
@@ -64,7 +76,7 @@ def joint_directions(
         (below); else each group keeps its own, as a speculation's.
 
     Returns:
-      :class:`~lwjax.bucket_update.Directions` holding, per bucket with dealt
+      :class:`~lwjax.bucket_update.Directions` holding, per bucket with joint
       slot groups, their ``(polar, momentum)`` and ``None`` for its other groups.
       With ``stats`` and ``write_momenta`` the new momenta are written into the
       (donated) state as they are computed (:func:`_updates`), where keeping each
@@ -76,7 +88,7 @@ def joint_directions(
     write = stats is not None and write_momenta
     pending, written = [], {}
     for view in (v for per_buffer in views for v in per_buffer):
-        if not any(view.dealt):
+        if not any(view.joint):
             continue
         i, k = view.buffer_index, view.bucket
         grad = grad_shards[i][k]
@@ -91,7 +103,7 @@ def joint_directions(
             stacks, join, ns = muon_lib.polar_pieces(
                 update, config=plan.muon, qkv_split_shapes=view.groups[j].qkv_split_shapes
             )
-            pending.append(_Dealt(view, j, view.exchanges[j], new_momentum, stacks, join, ns))
+            pending.append(_Pending(view, j, view.exchanges[j], new_momentum, stacks, join, ns))
     if not pending:
         return None
     return Directions(_orthogonalized(pending), final=stats is not None, momenta=written)
@@ -106,7 +118,7 @@ def _updates(plan: StepPlan, view: BucketView, grad, momentum, skip, write: bool
     cannot forward the new momenta themselves): the exchange then reads the state and the
     gradients, and no new momentum is kept until it runs."""
     out = {}
-    for j in (j for j, dealt in enumerate(view.dealt) if dealt):
+    for j in (j for j, joint in enumerate(view.joint) if joint):
         group, offsets = view.groups[j], view.offsets(view.groups[j])
         update, new = muon_lib.muon_momentum(  # with write, the update is read back below
             shards.take(grad, offsets, group.shape, plan.transpose),
@@ -134,15 +146,30 @@ def _updates(plan: StepPlan, view: BucketView, grad, momentum, skip, write: bool
     return out, momentum
 
 
-def _orthogonalized(pending: list[_Dealt]) -> dict:
-    """Newton–Schulz of every pending stack, one exchange per split, rank axes and block shape;
-    per bucket the directions of its dealt groups, ``None`` for the others."""
+def _orthogonalized(pending: list[_Pending]) -> dict:
+    """Newton–Schulz of every pending stack: the whole matrices' in one
+    :func:`~lwjax.newton_schulz.newton_schulz_many`, the dealt ones' in one exchange per
+    split, rank axes and block shape; per bucket the directions of its joint groups, ``None``
+    for the others."""
+    done = [[None] * len(entry.stacks) for entry in pending]
+    whole = [
+        (p, s)
+        for p, entry in enumerate(pending)
+        if entry.exchange is None
+        for s in range(len(entry.stacks))
+    ]
+    if whole:
+        first = pending[whole[0][0]]
+        outs = muon_lib.orthogonalize_together([pending[p].stacks[s] for p, s in whole], first.ns)
+        for (p, s), out in zip(whole, outs):
+            done[p][s] = out
     batches: dict[tuple, list[tuple[int, int]]] = {}  # batch -> (pending index, stack index)
-    for p, dealt in enumerate(pending):
-        for s, stack in enumerate(dealt.stacks):
-            key = (dealt.exchange.split, dealt.exchange.deal.rank_axes, stack.shape[-2:])
+    for p, entry in enumerate(pending):
+        if entry.exchange is None:
+            continue
+        for s, stack in enumerate(entry.stacks):
+            key = (entry.exchange.split, entry.exchange.deal.rank_axes, stack.shape[-2:])
             batches.setdefault((*key, stack.dtype), []).append((p, s))
-    done = [[None] * len(dealt.stacks) for dealt in pending]
     for members in batches.values():
         first = pending[members[0][0]]
         outs = assembled_together(
@@ -154,8 +181,8 @@ def _orthogonalized(pending: list[_Dealt]) -> dict:
         for (p, s), out in zip(members, outs):
             done[p][s] = out
     of: dict = {}
-    for dealt, outs in zip(pending, done):
-        key = (dealt.bucket.buffer_index, dealt.bucket.bucket)
-        of.setdefault(key, [None] * len(dealt.bucket.groups))
-        of[key][dealt.group] = (dealt.join(outs), dealt.momentum)
+    for entry, outs in zip(pending, done):
+        key = (entry.bucket.buffer_index, entry.bucket.bucket)
+        of.setdefault(key, [None] * len(entry.bucket.groups))
+        of[key][entry.group] = (entry.join(outs), entry.momentum)
     return of

@@ -43,6 +43,7 @@ from lwjax.newton_schulz import (
     _check_num_ns_steps,
     _storage_dtype,
     newton_schulz,
+    newton_schulz_many,
 )
 
 TensorParallelMode = Literal["duplicated", "distributed", "blockwise"]
@@ -151,6 +152,13 @@ def _newton_schulz_in(dtype, coefficient_type, num_ns_steps, precision) -> Calla
         precision=precision,
         dtype=_storage_dtype(dtype, precision),
     )
+
+
+def orthogonalize_together(stacks: Sequence[jax.Array], ns: functools.partial) -> list:
+    """``[ns(x) for x in stacks]`` as one :func:`newton_schulz_many`, for stacks of several
+    :func:`polar_pieces` calls of one config and dtype (``ns``: their Newton–Schulz, whose
+    options it runs with)."""
+    return newton_schulz_many(stacks, **ns.keywords)
 
 
 def piece_stacks(rows: int, qkv_split_shapes) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import numbers
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -180,9 +180,7 @@ def _iterate_folded(
     """
     dot = functools.partial(_contract, precision=precision)
     axis = -2 if tall else -1
-    eye = jnp.eye(y.shape[-1] if tall else y.shape[-2], dtype=acc_dtype)
-    # The kernels accumulate and combine in fp32: a float64 run keeps XLA's products.
-    use_kernel = gram_lib.fits(y.shape, axis, y.dtype) and acc_dtype == jnp.float32
+    use_kernel = _kernel_takes(y, axis, acc_dtype)
     gram_dtype = y.dtype if reduce is None else acc_dtype
     for a, b, c in steps:
         if use_kernel:  # upper tiles only; the exactly symmetric A makes A A^T equal A A
@@ -194,10 +192,55 @@ def _iterate_folded(
         if use_kernel:
             factor = gram_lib.polynomial(gram, (a, b, c))
         else:
-            square = dot(gram, gram, -1, -2, dtype=acc_dtype)
-            factor = (a * eye + b * gram.astype(acc_dtype) + c * square).astype(y.dtype)
-        y = dot(y, factor, -1, -1, dtype=y.dtype) if tall else dot(factor, y, -1, -2, dtype=y.dtype)
+            factor = _xla_factor(gram, (a, b, c), acc_dtype, y.dtype, dot)
+        y = _folded_product(y, factor, tall, dot)
     return y
+
+
+def _iterate_folded_together(ys, talls, steps, *, precision, acc_dtype) -> list[jax.Array]:
+    """:func:`_iterate_folded` of several stacks in lockstep: each step's Gram and factor
+    kernels of every stack the kernel takes run as one launch
+    (:func:`lwjax.gram.upper_grams`, :func:`lwjax.gram.polynomials`), each tile as
+    :func:`_iterate_folded` computes it."""
+    dot = functools.partial(_contract, precision=precision)
+    axes = [-2 if tall else -1 for tall in talls]
+    kernel = [k for k, (y, axis) in enumerate(zip(ys, axes)) if _kernel_takes(y, axis, acc_dtype)]
+    ys = list(ys)
+    for a, b, c in steps:
+        factors = {}
+        if kernel:
+            grams = gram_lib.upper_grams(
+                [ys[k] for k in kernel], [axes[k] for k in kernel], ys[kernel[0]].dtype
+            )
+            factors = dict(zip(kernel, gram_lib.polynomials(grams, (a, b, c))))
+        for k, y in enumerate(ys):
+            factor = factors.get(k)
+            if factor is None:
+                factor = _xla_factor(
+                    dot(y, y, axes[k], dtype=y.dtype), (a, b, c), acc_dtype, y.dtype, dot
+                )
+            ys[k] = _folded_product(y, factor, talls[k], dot)
+    return ys
+
+
+def _kernel_takes(y: jax.Array, axis: int, acc_dtype) -> bool:
+    """Whether the upper-tile kernels run ``y``'s products: they accumulate and combine in
+    fp32, so a float64 run keeps XLA's."""
+    return gram_lib.fits(y.shape, axis, y.dtype) and acc_dtype == jnp.float32
+
+
+def _xla_factor(gram: jax.Array, coefficients, acc_dtype, dtype, dot) -> jax.Array:
+    """:math:`a I + b A + c A^2` from XLA's products, combined in ``acc_dtype``, rounded to
+    ``dtype``."""
+    a, b, c = coefficients
+    eye = jnp.eye(gram.shape[-1], dtype=acc_dtype)
+    square = dot(gram, gram, -1, -2, dtype=acc_dtype)
+    return (a * eye + b * gram.astype(acc_dtype) + c * square).astype(dtype)
+
+
+def _folded_product(y: jax.Array, factor: jax.Array, tall: bool, dot) -> jax.Array:
+    """:math:`F X`, or :math:`Y F^\\top` for a tall ``y`` iterated as stored."""
+    return dot(y, factor, -1, -1, dtype=y.dtype) if tall else dot(factor, y, -1, -2, dtype=y.dtype)
 
 
 def _contract(
@@ -311,11 +354,7 @@ def newton_schulz(
     )
 
     def megatron_order(y):
-        """Transpose a tall matrix, normalise, iterate, transpose back."""
-        if tall:
-            y = jnp.swapaxes(y, -1, -2)
-        y = _iterate_exact(_normalized(y, eps, store_dtype, reduce), **options)
-        return jnp.swapaxes(y, -1, -2) if tall else y
+        return _megatron_order(y, tall, eps, store_dtype, options)
 
     def folded(y):
         return _iterate_folded(_normalized(y, eps, store_dtype, reduce), tall=tall, **options)
@@ -323,6 +362,99 @@ def newton_schulz(
     on_cuda = folded if coefficient_type in _FOLDED_TABLES else megatron_order
     y = lax.platform_dependent(x.astype(acc_dtype), default=megatron_order, cuda=on_cuda)
     return y.astype(x.dtype if dtype is None else dtype)
+
+
+def newton_schulz_many(
+    xs: Sequence[jax.Array],
+    coefficient_type: CoefficientType = "quintic",
+    num_ns_steps: int = 5,
+    *,
+    eps: float = 1e-7,
+    precision: Precision = "highest",
+    dtype: jnp.dtype | None = None,
+) -> list[jax.Array]:
+    r""":func:`newton_schulz` of several stacks, run together.
+
+    On CUDA GPUs, where :func:`newton_schulz` folds the polynomial, stacks of
+    one shape are concatenated along their first axis and iterated as one, and
+    each step's upper-tile kernels for every stack run as one launch
+    (:func:`lwjax.gram.upper_grams`): launched apart, each stack's last round of
+    tiles leaves most of the GPU idle. Every tile, product and rounding is the
+    one :func:`newton_schulz` computes; only cuBLAS may choose another kernel
+    for a longer batch. Stacks of one matrix shape but other leading shapes
+    stay apart: joined, the 1b workload's ``[8, 2048, 2048]`` and
+    ``[1, 5, 2048, 2048]`` stacks took a kernel that rounds differently
+    (docs/benchmarks.md, thirty-fifth session). Elsewhere (Megatron's order)
+    each stack runs as :func:`newton_schulz` runs it: there a longer batch
+    may round otherwise and nothing is gained.
+
+    The iterates of every stack are alive together: memory for speed where no
+    communication could overlap the stacks one by one.
+
+    Args:
+      xs: Arrays ``[..., m, n]``, all of one floating dtype.
+      coefficient_type, num_ns_steps, eps, precision, dtype: As :func:`newton_schulz`.
+
+    Returns:
+      Per stack, its :func:`newton_schulz`, in its shape.
+
+    Raises:
+      ValueError, TypeError: As :func:`newton_schulz`, naming the stack by its index; a
+        ``ValueError`` if the stacks' dtypes differ.
+    """
+    xs = list(xs)
+    for k, x in enumerate(xs):
+        _check_matrix("newton_schulz_many", f"xs[{k}]", x)
+        if x.dtype != xs[0].dtype:
+            raise ValueError(
+                "newton_schulz_many: expected stacks of one dtype; got "
+                f"xs[0].dtype={xs[0].dtype}, xs[{k}].dtype={x.dtype}."
+            )
+    if not xs:
+        return []
+    coefficient_type = _checked_options(xs[0], coefficient_type, num_ns_steps, precision, eps)
+    acc_dtype = jnp.promote_types(xs[0].dtype, jnp.float32)
+    store_dtype = _storage_dtype(xs[0].dtype, precision)
+    steps = _coefficient_schedule(coefficient_type, num_ns_steps)
+    options = dict(steps=steps, precision=_LAX_PRECISION[precision], acc_dtype=acc_dtype)
+    # Stacks of one whole shape, [..., m, n], each as [1, m, n] if it is one matrix.
+    members: dict[tuple[int, ...], list[int]] = {}
+    for k, x in enumerate(xs):
+        members.setdefault((1,) * (x.ndim == 2) + x.shape, []).append(k)
+    talls = [shape[-2] > shape[-1] for shape in members]
+
+    def megatron_order(stacks):  # stack by stack: a longer batch may round otherwise
+        return [
+            _megatron_order(x, x.shape[-2] > x.shape[-1], eps, store_dtype, options) for x in stacks
+        ]
+
+    def folded(stacks):
+        joined = [
+            jnp.concatenate([_normalized(stacks[k].reshape(shape), eps, store_dtype) for k in ks])
+            for shape, ks in members.items()
+        ]
+        outs = _iterate_folded_together(joined, talls, **options)
+        parts = [None] * len(stacks)
+        for (shape, ks), out in zip(members.items(), outs):
+            for n, k in enumerate(ks):
+                parts[k] = out[n * shape[0] : (n + 1) * shape[0]].reshape(xs[k].shape)
+        return parts
+
+    on_cuda = folded if coefficient_type in _FOLDED_TABLES else megatron_order
+    outs = lax.platform_dependent(
+        [x.astype(acc_dtype) for x in xs], default=megatron_order, cuda=on_cuda
+    )
+    return [out.astype(x.dtype if dtype is None else dtype) for out, x in zip(outs, xs)]
+
+
+def _megatron_order(y, tall: bool, eps, store_dtype, options) -> jax.Array:
+    """Megatron's order: transpose a tall matrix, normalise, iterate, transpose back."""
+    y = _normalized(_transposed_if(y, tall), eps, store_dtype, options.get("reduce"))
+    return _transposed_if(_iterate_exact(y, **options), tall)
+
+
+def _transposed_if(y: jax.Array, transpose: bool) -> jax.Array:
+    return jnp.swapaxes(y, -1, -2) if transpose else y
 
 
 def _checked_options(x, coefficient_type, num_ns_steps, precision, eps) -> str:

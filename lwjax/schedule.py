@@ -29,8 +29,8 @@ their ratios matter:
 with :math:`S` the shard size, :math:`\beta` the bytes an update moves per
 element, :math:`d` the number of shards and :math:`F_\text{NS}` the
 Newton–Schulz FLOPs of the shard's batched matrices (every rank runs the
-same batch width), those dealt to devices left out: the step orthogonalises
-them before any update (:mod:`lwjax.joint_directions`).
+same batch width), those of the joint pass left out: the step orthogonalises
+them before any update (:mod:`lwjax.joint_directions`, :func:`lwjax.parallel.ns_deal.is_joint`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import dataclasses
 import numpy as np
 
 from lwjax.cost import DEFAULT_NUM_NS_STEPS, ns_flops
-from lwjax.parallel.ns_deal import is_dealt
+from lwjax.parallel.ns_deal import is_joint
 from lwjax.param_plan import ParamPlan, SlotGroup
 
 MATMUL_FLOPS_PER_S = 600e12
@@ -121,10 +121,10 @@ def _estimates(
         itemsize = np.dtype(buffer.key.param_dtype).itemsize
         for k, size in enumerate(buffer.shard_sizes):
             if buffer.key.is_layer_wise:
-                flops = sum(  # dealt matrices are orthogonalised before any update
+                flops = sum(  # the joint pass orthogonalises before any update
                     g.width * _group_flops(g, num_ns_steps, transpose, split_qkv)
                     for g in buffer.slot_groups
-                    if g.bucket == k and not is_dealt(g)
+                    if g.bucket == k and not is_joint(g, buffer)
                 )
                 update_s = (
                     flops / MATMUL_FLOPS_PER_S + size * MUON_BYTES_PER_ELEMENT / MEMORY_BYTES_PER_S

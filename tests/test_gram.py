@@ -17,6 +17,8 @@ def small_grams(monkeypatch):
     monkeypatch.setattr(gram, "MIN_SIZE", 2 * gram.BLOCK)
     monkeypatch.setattr(gram, "upper_gram", functools.partial(gram.upper_gram, interpret=True))
     monkeypatch.setattr(gram, "polynomial", functools.partial(gram.polynomial, interpret=True))
+    monkeypatch.setattr(gram, "upper_grams", functools.partial(gram.upper_grams, interpret=True))
+    monkeypatch.setattr(gram, "polynomials", functools.partial(gram.polynomials, interpret=True))
 
 
 def _bf16(seed, *shape):
@@ -182,3 +184,56 @@ def test_every_schedule_gives_the_same_bits(small_grams, monkeypatch, axis):
         )
     for first, second in zip(*outs):
         np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+
+
+def test_stacks_launched_together_give_each_stack_alone_bit_for_bit(small_grams):
+    """One launch over stacks of other depths, orientations and matrix counts (the deeper
+    ones first, the programs matrix after matrix) computes every tile as a launch per stack."""
+    xs = [
+        _bf16(4, 2, 256, 640),
+        _bf16(5, 3, 256, 256),
+        _bf16(6, 512, 384),
+        _bf16(7, 2, 2, 256, 128),
+    ]
+    axes = [-1, -1, -2, -1]
+    together = gram.upper_grams(xs, axes, jnp.bfloat16)
+    for x, axis, out in zip(xs, axes, together):
+        np.testing.assert_array_equal(
+            np.asarray(out), np.asarray(gram.upper_gram(x, axis, jnp.bfloat16))
+        )
+    coefficients = (3.4, -4.7, 2.0)
+    factors = gram.polynomials([(a / 640).astype(jnp.bfloat16) for a in together], coefficients)
+    for a, out in zip(together, factors):
+        alone = gram.polynomial((a / 640).astype(jnp.bfloat16), coefficients)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+
+
+def test_stacks_launched_together_are_checked_by_index():
+    with pytest.raises(ValueError, match=r"one axis per stack"):
+        gram.upper_grams([jnp.zeros((2048, 2048), jnp.bfloat16)], [-1, -1], jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"xs\[1\].shape=\(1024, 4096\)"):
+        gram.upper_grams(
+            [jnp.zeros((2048, 2048), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)],
+            [-1, -1],
+            jnp.bfloat16,
+        )
+    with pytest.raises(ValueError, match=r"grams\[0\].shape=\(2048, 4096\)"):
+        gram.polynomials([jnp.zeros((2048, 4096), jnp.bfloat16)], (1.0, 0.0, 0.0))
+
+
+def test_newton_schulz_of_stacks_together_is_each_stack_alone_bit_for_bit(small_grams):
+    """The CUDA iteration of several stacks in lockstep (same-shape stacks joined, the
+    kernels of every stack in one launch a step) against each stack's own: the same bits,
+    kernel stacks and a stack the kernel does not take alike."""
+    steps = ns_lib._coefficient_schedule("quintic", 5)
+    shapes = [(2, 256, 384), (3, 384, 256), (256, 512), (2, 64, 128)]
+    talls = [m > n for *_, m, n in shapes]
+    ys = []
+    for k, shape in enumerate(shapes):
+        y = np.random.default_rng(10 + k).standard_normal(shape).astype(np.float32)
+        ys.append(jnp.asarray(y / np.linalg.norm(y, axis=(-2, -1), keepdims=True), jnp.bfloat16))
+    options = dict(precision=jax.lax.Precision.DEFAULT, acc_dtype=jnp.float32)
+    together = ns_lib._iterate_folded_together(ys, talls, steps, **options)
+    for y, tall, out in zip(ys, talls, together):
+        alone = ns_lib._iterate_folded(y, steps, tall=tall, **options)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))

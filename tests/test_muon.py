@@ -24,7 +24,13 @@ from lwjax.muon import (
     muon_update,
     orthogonalize,
 )
-from lwjax.newton_schulz import COEFFICIENT_SETS, COEFFICIENT_TYPES, PRECISIONS, newton_schulz
+from lwjax.newton_schulz import (
+    COEFFICIENT_SETS,
+    COEFFICIENT_TYPES,
+    PRECISIONS,
+    newton_schulz,
+    newton_schulz_many,
+)
 
 _FIXTURE = json.loads(
     (pathlib.Path(__file__).parent / "fixtures" / "muon" / "muon_reference.json").read_text()
@@ -425,6 +431,31 @@ def test_newton_schulz_batched_equals_per_matrix(shape, precision):
         [np.asarray(newton_schulz(jnp.asarray(m), "cans", 6, precision=precision)) for m in flat_in]
     )
     np.testing.assert_allclose(batched, singles.reshape(shape), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("branch", ["default", "cuda"])
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_newton_schulz_many_is_each_stacks_newton_schulz(monkeypatch, branch, precision):
+    # Stacks of one shape are joined and iterated as one, the others alongside (a lone
+    # matrix and a stack of one of its shape apart): each comes back as newton_schulz of it
+    # alone, in Megatron's order and in the folded CUDA iteration (run here on the CPU).
+    if branch == "cuda":
+        monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, cuda, default: cuda(*a))
+    shapes = [(2, 5, 7), (9, 4), (2, 5, 7), (2, 3, 5, 7), (9, 4), (1, 9, 4), (2, 3, 5, 7), (6, 6)]
+    xs = [jnp.asarray(_rng_matrix(20 + k, *shape) * 3) for k, shape in enumerate(shapes)]
+    together = newton_schulz_many(xs, "quintic", 5, precision=precision)
+    for x, out in zip(xs, together):
+        alone = newton_schulz(x, "quintic", 5, precision=precision)
+        assert out.shape == x.shape and out.dtype == alone.dtype
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    assert newton_schulz_many([]) == []
+
+
+def test_newton_schulz_many_names_the_stack_it_turns_down():
+    with pytest.raises(ValueError, match=r"xs\[1\].dtype=bfloat16"):
+        newton_schulz_many([jnp.ones((4, 4)), jnp.ones((4, 4), jnp.bfloat16)])
+    with pytest.raises(ValueError, match=r"xs\[0\]"):
+        newton_schulz_many([jnp.ones((4,))])
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

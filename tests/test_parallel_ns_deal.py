@@ -23,7 +23,7 @@ from lwjax.muon import MuonConfig
 from lwjax.optimizer import route_params
 from lwjax.parallel.axes import MeshAxes
 from lwjax.parallel.mesh import resolved_layout
-from lwjax.parallel.ns_deal import device_ns_flops, ns_critical_path
+from lwjax.parallel.ns_deal import device_ns_flops, is_joint, ns_critical_path, region_ns_flops
 from lwjax.planner import plan_params, plan_step
 from lwjax.routing import RoutingRules
 
@@ -108,7 +108,58 @@ def test_device_ns_flops_counts_what_each_mode_computes():
     assert ns_critical_path(plan("blockwise")) == 2 * block + gate
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_whole_matrices_join_the_joint_pass_at_one_data_parallel_rank(dp):
+    """With one data-parallel rank no gather waits for a bucket's update, so every whole
+    matrix runs in the step's joint pass (one region of Newton–Schulz FLOPs); at dp 2 each
+    bucket's stay in its update, where its gather can hide under the next bucket's."""
+    params = _llama(layers=4, hidden=256, heads=2, kv_heads=1, ffn=512)
+    axes = MeshAxes("dp", dp_size=dp)
+    layout = LayoutConfig(bucket_size=2**16)
+    plan = plan_step(
+        plan_params(params, axes, layout, STACKED),
+        OptimizerConfig(),
+        MuonConfig(),
+        None,
+        0.01,
+        None,
+    )
+    groups = [(g, b) for b in plan.buffers if b.key.is_layer_wise for g in b.slot_groups]
+    assert len({g.bucket for g, _ in groups}) > 1
+    assert [is_joint(g, b) for g, b in groups] == [dp == 1] * len(groups)
+    regions = region_ns_flops(plan)
+    assert (list(regions) == ["joint"]) is (dp == 1)
+
+
 D, FFN = 16, 32
+
+
+def _two_steps_match_the_reference(params, opt, muon, placed, put):
+    """Two steps of ``opt`` from ``placed`` (``params`` as the optimizer holds them), each
+    step's gradients placed by ``put``, equal the unsharded optimizer's (clip 1.0). Returns
+    the jitted step ``(grads, state, params) -> (params, state)``, the last gradients, the
+    state and the parameters."""
+    ref = Reference(
+        params,
+        route_params(params, STACKED),
+        lr=0.02,
+        weight_decay=0.01,
+        clip_grad=1.0,
+        muon_config=muon,
+        in_out=True,
+    )
+    step = jax.jit(
+        lambda g, s, p: (lambda u, s: (jax.tree.map(jnp.add, p, u), s))(*opt.update(g, s, p))
+    )
+    state, current = opt.init(placed), placed
+    for seed in (1, 2):
+        draw = np.random.default_rng(seed)
+        grads = {k: draw.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        ref.step(jax.tree.leaves(grads))
+        current, state = step(put(grads), state, current)
+    for k, want in ref.params().items():
+        np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
+    return step, put(grads), state, current
 
 
 def _put(tree, specs, mesh):
@@ -150,31 +201,55 @@ def test_dealt_step_matches_the_unsharded_reference_and_skips_padding(dp, bucket
         for device in range(4)
     }
     assert len(counts) > 1  # devices assemble different numbers of matrices
-    ref = Reference(
-        params,
-        route_params(params, STACKED),
-        lr=0.02,
-        weight_decay=0.01,
-        clip_grad=1.0,
-        muon_config=muon,
-        in_out=True,
+    step, grads, state, current = _two_steps_match_the_reference(
+        params, opt, muon, sharded, lambda g: _put(g, specs, mesh)
     )
-    state, current = opt.init(sharded), sharded
-    step = jax.jit(
-        lambda g, s, p: (lambda u, s: (jax.tree.map(jnp.add, p, u), s))(*opt.update(g, s, p))
-    )
-    for seed in (1, 2):
-        draw = np.random.default_rng(seed)
-        grads = {k: draw.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
-        ref.step(jax.tree.leaves(grads))
-        current, state = step(_put(grads, specs, mesh), state, current)
-    for k, want in ref.params().items():
-        np.testing.assert_allclose(np.asarray(current[k]), want, atol=2e-6, err_msg=k)
-    hlo = step.lower(_put(grads, specs, mesh), state, current).compile().as_text()
+    hlo = step.lower(grads, state, current).compile().as_text()
     switched = set(re.findall(r"= \(f32\[\d+,(\d+),(\d+)\]\S*\) conditional\(", hlo))
     assert switched == {("32", "16"), ("16", "32")}  # each shape's whole matrices, switched
     assert len({g.shape for g in groups}) == 2
     assert len(re.findall(r" all-to-all\(", hlo)) == 2 * 2
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_whole_matrices_of_every_bucket_run_together_at_one_rank(monkeypatch, dp):
+    """Stacks of two shapes (a tall one) and a norm in five buckets. At dp 1 every matrix's
+    Newton–Schulz runs in the joint pass, in one ``newton_schulz_many`` over the stacks of
+    all buckets, and no bucket's update computes a direction; at dp 2 each bucket computes
+    its own. Two steps equal the unsharded optimizer either way."""
+    from lwjax import bucket_update
+    from lwjax import muon as muon_lib
+
+    computed, together = [], []
+    monkeypatch.setattr(
+        bucket_update,
+        "muon_directions",
+        lambda *a, _f=bucket_update.muon_directions, **k: computed.append(1) or _f(*a, **k),
+    )
+    monkeypatch.setattr(
+        muon_lib,
+        "newton_schulz_many",
+        lambda xs, *a, _f=muon_lib.newton_schulz_many, **k: (
+            together.append([x.shape for x in xs]) or _f(xs, *a, **k)
+        ),
+    )
+    rng = np.random.default_rng(0)
+    shapes = {"layers/up": (6, D, FFN), "layers/down": (4, FFN, D), "norm": (D,)}
+    params = {k: (rng.standard_normal(s) / 4).astype(np.float32) for k, s in shapes.items()}
+    mesh = Mesh(np.array(jax.devices()[:dp]), ("dp",))
+    muon = MuonConfig(fp32_matmul_prec="highest")
+    opt = lwjax.layerwise_muon(
+        params, mesh, muon=muon, routing=STACKED, layout=LayoutConfig(bucket_size=1024)
+    )
+    assert len({g.bucket for b in opt.plan.buffers for g in b.slot_groups}) == 5
+    _two_steps_match_the_reference(params, opt, muon, params, lambda g: g)
+    if dp == 1:  # each trace of the step: one call over every bucket's up and down stacks
+        assert computed == [] and together
+        for shapes in together:
+            assert sum(s[0] for s in shapes if s[1:] == (D, FFN)) == 6
+            assert sum(s[0] for s in shapes if s[1:] == (FFN, D)) == 4
+    else:
+        assert computed and together == []
 
 
 def test_exchange_in_rounds_is_the_same_step(monkeypatch):

@@ -15,10 +15,11 @@ only on the matrices dealt to it, never on padding.
 :func:`device_ns_flops` counts the Newton–Schulz FLOPs each device computes
 in one step of a plan, as the step computes them (padding included where it is
 computed): the table ``lwjax plan`` prints. The step runs Newton–Schulz in
-regions, each done when its busiest device is: the dealt matrices of every
-bucket in one joint exchange (:mod:`lwjax.joint_directions`), then each
-bucket's other slot groups in its update. :func:`ns_critical_path` sums the
-busiest device of each region, the figure the deal is held to. Pure Python.
+regions, each done when its busiest device is: the joint pass over every
+bucket (:mod:`lwjax.joint_directions`: dealt matrices, and at one data-parallel rank
+every whole matrix), then each bucket's other slot groups in its update.
+:func:`ns_critical_path` sums the busiest device of each region, the figure the deal is
+held to. Pure Python.
 """
 
 from __future__ import annotations
@@ -116,10 +117,20 @@ def is_dealt(group: SlotGroup) -> bool:
     return bool(group.ns_devices)
 
 
+def is_joint(group: SlotGroup, buffer: BufferPlan) -> bool:
+    """Whether a slot group's Newton–Schulz runs in the step's joint pass
+    (:mod:`lwjax.joint_directions`), before any bucket's update: matrices dealt to devices
+    (:func:`is_dealt`), and whole matrices in a buffer of one data-parallel rank. That buffer
+    gathers nothing for its buckets' updates to hide, and Newton–Schulz of every bucket
+    together runs one launch per step's kernels (:func:`lwjax.newton_schulz.newton_schulz_many`)."""
+    whole = group.tensor_split == ((), ())
+    return is_dealt(group) or (buffer.dp == 1 and whole)
+
+
 def region_ns_flops(plan, symmetric_share=None) -> dict:
     """Per Newton–Schulz region of a step of ``plan``, the FLOPs each device computes in it.
 
-    Keys: ``"joint"`` for the dealt matrices of every bucket (:func:`is_dealt`),
+    Keys: ``"joint"`` for the joint pass' matrices of every bucket (:func:`is_joint`),
     ``(buffer, bucket)`` for each layer-wise bucket's other slot groups; values
     are tables as :func:`device_ns_flops` returns (``symmetric_share``: the share of the
     symmetric products a kernel computes, :func:`lwjax.cost.ns_flops`).
@@ -132,7 +143,7 @@ def region_ns_flops(plan, symmetric_share=None) -> dict:
             continue
         expert = axes.of(buffer.key) != axes.group
         for group in buffer.slot_groups:
-            key = "joint" if is_dealt(group) else (i, group.bucket)
+            key = "joint" if is_joint(group, buffer) else (i, group.bucket)
             table = tables.setdefault(key, [[0] * axes.tp_size for _ in range(axes.group_size)])
             for d, row in enumerate(table):
                 rank = d // axes.ep_size if expert else d
