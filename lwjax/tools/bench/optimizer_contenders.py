@@ -104,16 +104,10 @@ def grouped_mesh(cfg: BenchConfig, mesh: Mesh) -> tuple[Mesh, str | AutoGroups |
     return group_mesh(mesh, mesh.shape["dp"] // cfg.replica), "replica"
 
 
-def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
-    """Build lwjax's optimizer for the workload on ``mesh`` (in ``cfg.replica`` sharding groups:
-    :func:`grouped_mesh`) and time its step.
-
-    Returns:
-      ``(seconds, back_to_back, state_bytes, opt, profile, grad_norm)``: the median
-      synchronised step and the back-to-back step in seconds, the busiest device's
-      optimizer state in bytes, the optimizer, :func:`~lwjax.tools.bench.profile.profile_steps`'
-      summary (empty without ``cfg.profile_dir``) and the norm of the mean gradient.
-    """
+def built_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
+    """lwjax's optimizer for the workload on ``mesh`` (in ``cfg.replica`` sharding groups:
+    :func:`grouped_mesh`), and what its step starts from: ``(opt, mesh, params, state,
+    grads)``, ``mesh`` the optimizer's (split into the groups ``"auto"`` chose)."""
     dtype = jnp.dtype(cfg.param_dtype)
     shapes = workload_shapes(config)
     tensor_parallel = "tp" in mesh.axis_names
@@ -140,6 +134,20 @@ def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
         )
     state = opt.init(params)
     grads = local_grads(shapes, mesh, dtype, cfg.grad_std, specs, axis=opt.data_axes)
+    return opt, mesh, params, state, grads
+
+
+def time_lwjax(cfg: BenchConfig, config: GPTConfig, mesh: Mesh):
+    """Build lwjax's optimizer for the workload (:func:`built_lwjax`) and time its step.
+
+    Returns:
+      ``(seconds, back_to_back, state_bytes, opt, profile, grad_norm)``: the median
+      synchronised step and the back-to-back step in seconds, the busiest device's
+      optimizer state in bytes, the optimizer, :func:`~lwjax.tools.bench.profile.profile_steps`'
+      summary (empty without ``cfg.profile_dir``) and the norm of the mean gradient.
+    """
+    opt, mesh, params, state, grads = built_lwjax(cfg, config, mesh)
+    tensor_parallel = "tp" in mesh.axis_names
     grad_norm = float(
         jax.jit(
             lambda g: optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), g))
