@@ -184,28 +184,28 @@ def _check_gram(where: str, name: str, x: jax.Array, axis: int) -> None:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _upper_grams(xs, axes, dtype, together: bool, interpret: bool) -> list[jax.Array]:
     """:func:`upper_grams` after its checks (``together=False``: one stack, scheduled alone)."""
-    stacks, kernels = [], []
+    stacks, geometry = [], []
     for x, axis in zip(xs, axes):
         rows, cols = x.shape[-2:]
         stacks.append(x.reshape(-1, rows, cols))
         size, depth = (rows, cols) if axis == -1 else (cols, rows)
-        kernels.append((size, depth, axis == -2))
-    outs = _launch(_gram_tile, (), stacks, kernels, dtype, together, interpret)
+        geometry.append((size, depth, axis == -2))
+    outs = _launch(_gram_tile, (), stacks, geometry, dtype, together, interpret)
     return [o.reshape(*x.shape[:-2], *o.shape[-2:]) for o, x in zip(outs, xs)]
 
 
-def _launch(tile, operands, stacks, kernels, dtype, together: bool, interpret: bool):
+def _launch(tile, operands, stacks, geometry, dtype, together: bool, interpret: bool):
     """One program per output tile ``(n, i, j)`` of every stack's ``[matrices, size, size]``
     result in ``dtype``: ``tile(operand_refs, stack_ref, out_ref, i, j, programs)`` on matrix
-    ``n`` where ``i <= j``. ``kernels`` gives each stack's ``(size, depth, transposed)``;
+    ``n`` where ``i <= j``. ``geometry`` gives each stack's ``(size, depth, transposed)``;
     ``operands`` are small 1-d arrays every program reads whole. Stacks with deeper tiles
     launch first; each stack's programs run as :func:`_schedule` says, or as
     :func:`_together` says with ``together``."""
-    order = sorted(range(len(stacks)), key=lambda k: -kernels[k][1])
-    together_schedule = _together(any(transposed for *_, transposed in kernels))
+    order = sorted(range(len(stacks)), key=lambda k: -geometry[k][1])
+    together_schedule = _together(any(transposed for *_, transposed in geometry))
     programs, start = [None] * len(stacks), 0
     for k in order:
-        size, depth, transposed = kernels[k]
+        size, depth, transposed = geometry[k]
         schedule = together_schedule if together else _schedule(transposed)
         programs[k] = _Programs(
             start,
@@ -216,7 +216,7 @@ def _launch(tile, operands, stacks, kernels, dtype, together: bool, interpret: b
             schedule.matrices_inner,
         )
         start = programs[k].end
-    stages = (together_schedule if together else _schedule(kernels[0][2])).stages
+    stages = (together_schedule if together else _schedule(geometry[0][2])).stages
 
     def kernel(*refs):
         fixed = refs[: len(operands)]
@@ -237,7 +237,7 @@ def _launch(tile, operands, stacks, kernels, dtype, together: bool, interpret: b
         kernel,
         out_shape=[
             jax.ShapeDtypeStruct((s.shape[0], size, size), dtype)
-            for s, (size, _, _) in zip(stacks, kernels)
+            for s, (size, _, _) in zip(stacks, geometry)
         ],
         grid=(start,),
         in_specs=[
@@ -246,7 +246,7 @@ def _launch(tile, operands, stacks, kernels, dtype, together: bool, interpret: b
         ],
         out_specs=[
             pl.BlockSpec((None, size, size), matrix(of))
-            for (size, _, _), of in zip(kernels, programs)
+            for (size, _, _), of in zip(geometry, programs)
         ],
         compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=stages),
         interpret=interpret,
@@ -312,9 +312,9 @@ def _coefficients(coefficients: tuple[float, float, float]) -> jax.Array:
 def _polynomials(grams, coefficients: jax.Array, together: bool, interpret: bool) -> list:
     """:func:`polynomials` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
     stacks = [a.reshape(-1, *a.shape[-2:]) for a in grams]
-    kernels = [(a.shape[-1], a.shape[-1], False) for a in grams]
+    geometry = [(a.shape[-1], a.shape[-1], False) for a in grams]
     outs = _launch(
-        _factor_tile, (coefficients,), stacks, kernels, jnp.bfloat16, together, interpret
+        _factor_tile, (coefficients,), stacks, geometry, jnp.bfloat16, together, interpret
     )
     return [o.reshape(a.shape) for o, a in zip(outs, grams)]
 
