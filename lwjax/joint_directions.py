@@ -106,7 +106,7 @@ def joint_directions(
             pending.append(_Pending(view, j, view.exchanges[j], new_momentum, stacks, join, ns))
     if not pending:
         return None
-    return Directions(_orthogonalized(pending), final=stats is not None, momenta=written)
+    return Directions(_orthogonalized(pending, plan.muon), final=stats is not None, momenta=written)
 
 
 def _updates(plan: StepPlan, view: BucketView, grad, momentum, skip, write: bool):
@@ -146,9 +146,10 @@ def _updates(plan: StepPlan, view: BucketView, grad, momentum, skip, write: bool
     return out, momentum
 
 
-def _orthogonalized(pending: list[_Pending]) -> dict:
+def _orthogonalized(pending: list[_Pending], config) -> dict:
     """Newton–Schulz of every pending stack: the whole matrices' in one
-    :func:`~lwjax.newton_schulz.newton_schulz_many`, the dealt ones' in one exchange per
+    :func:`~lwjax.newton_schulz.newton_schulz_many` (with ``config``, the step's
+    :class:`~lwjax.muon.MuonConfig`), the dealt ones' in one exchange per
     split, rank axes and block shape; per bucket the directions of its joint groups, ``None``
     for the others."""
     done = [[None] * len(entry.stacks) for entry in pending]
@@ -159,8 +160,8 @@ def _orthogonalized(pending: list[_Pending]) -> dict:
         for s in range(len(entry.stacks))
     ]
     if whole:
-        first = pending[whole[0][0]]
-        outs = muon_lib.orthogonalize_together([pending[p].stacks[s] for p, s in whole], first.ns)
+        stacks = [pending[p].stacks[s] for p, s in whole]
+        outs = muon_lib.orthogonalize_together(stacks, config=config)
         for (p, s), out in zip(whole, outs):
             done[p][s] = out
     batches: dict[tuple, list[tuple[int, int]]] = {}  # batch -> (pending index, stack index)

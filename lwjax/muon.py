@@ -146,7 +146,12 @@ def _polar(
 def _newton_schulz_in(dtype, coefficient_type, num_ns_steps, precision) -> Callable:
     """:func:`newton_schulz` with these options, iterating in the storage dtype of ``dtype``."""
     return functools.partial(
-        newton_schulz,
+        newton_schulz, **_ns_options(dtype, coefficient_type, num_ns_steps, precision)
+    )
+
+
+def _ns_options(dtype, coefficient_type, num_ns_steps, precision) -> dict:
+    return dict(
         coefficient_type=coefficient_type,
         num_ns_steps=num_ns_steps,
         precision=precision,
@@ -154,11 +159,14 @@ def _newton_schulz_in(dtype, coefficient_type, num_ns_steps, precision) -> Calla
     )
 
 
-def orthogonalize_together(stacks: Sequence[jax.Array], ns: functools.partial) -> list:
-    """``[ns(x) for x in stacks]`` as one :func:`newton_schulz_many`, for stacks of several
-    :func:`polar_pieces` calls of one config and dtype (``ns``: their Newton–Schulz, whose
-    options it runs with)."""
-    return newton_schulz_many(stacks, **ns.keywords)
+def orthogonalize_together(stacks: Sequence[jax.Array], *, config: MuonConfig) -> list:
+    """:func:`newton_schulz_many` of the stacks of several :func:`polar_pieces` calls with
+    ``config`` (updates of one dtype): each comes back as those calls' ``ns`` gives it."""
+    _check_config("orthogonalize_together", config)
+    options = _ns_options(
+        stacks[0].dtype, config.coefficient_type, config.num_ns_steps, config.fp32_matmul_prec
+    )
+    return newton_schulz_many(stacks, **options)
 
 
 def piece_stacks(rows: int, qkv_split_shapes) -> list[tuple[int, int]]:
