@@ -18,12 +18,13 @@ matrices at several data-parallel ranks, other modes) are computed bucket by buc
 
 With one data-parallel rank no bucket's gather waits to overlap a later bucket's
 Newton–Schulz, so every whole matrix of the step runs in one
-:func:`~lwjax.newton_schulz.newton_schulz_many`: same-shape stacks of all buckets as
-one, each step's upper-tile kernels for all of them in one launch. Launched bucket by
-bucket, each stack's last round of tiles left most of the GPU idle: the 1b workload's
-Newton–Schulz took 57.6 ms together against 61.5 ms apart (one H200, docs/benchmarks.md,
-thirty-fifth session). Every whole matrix's iterates are then alive together: at 1b,
-XLA's estimate of the optimizer step's temporaries grew from 3.4 to 4.2 GB.
+:func:`~lwjax.newton_schulz.newton_schulz_many`: the matrices of one shape from all
+buckets as one batch, each step's upper-tile kernels for all of them in one launch.
+Launched bucket by bucket, each stack's last round of tiles left most of the GPU
+idle: the 1b workload's Newton–Schulz took 57.6 ms together against 61.5 ms apart
+(one H200, docs/benchmarks.md, thirty-fifth session). Every whole matrix's iterates
+are then alive together: at 1b, XLA's estimate of the optimizer step's temporaries
+grew from 3.4 to 4.2 GB.
 
 Memory: the directions (bf16 under ``"medium"``) and momenta of every dealt
 matrix are alive together, but each shape's exchange buffers hold the most

@@ -12,6 +12,7 @@ from their upper tiles where :mod:`lwjax.gram`'s kernel fits.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import types
 from collections.abc import Callable, Sequence
@@ -375,18 +376,20 @@ def newton_schulz_many(
 ) -> list[jax.Array]:
     r""":func:`newton_schulz` of several stacks, run together.
 
-    On CUDA GPUs, where :func:`newton_schulz` folds the polynomial, stacks of
-    one shape are concatenated along their first axis and iterated as one, and
-    each step's upper-tile kernels for every stack run as one launch
+    On CUDA GPUs, where :func:`newton_schulz` folds the polynomial, the matrices
+    of every stack of one ``[m, n]`` are concatenated into one batch and iterated
+    as one, and each step's upper-tile kernels for every batch run as one launch
     (:func:`lwjax.gram.upper_grams`): launched apart, each stack's last round of
-    tiles leaves most of the GPU idle. Every tile, product and rounding is the
-    one :func:`newton_schulz` computes; only cuBLAS may choose another kernel
-    for a longer batch. Stacks of one matrix shape but other leading shapes
-    stay apart: joined, the 1b workload's ``[8, 2048, 2048]`` and
-    ``[1, 5, 2048, 2048]`` stacks took a kernel that rounds differently
-    (docs/benchmarks.md, thirty-fifth session). Elsewhere (Megatron's order)
-    each stack runs as :func:`newton_schulz` runs it: there a longer batch
-    may round otherwise and nothing is gained.
+    tiles leaves most of the GPU idle. Every tile, normalisation and rounding is
+    the one :func:`newton_schulz` computes. The products :math:`F X` are XLA's,
+    whose GEMM autotuner may pick another cuBLAS kernel for a longer batch, with
+    other low bits: the 1b workload's step differs from stack by stack in 0.6%
+    of one leaf's elements by one bf16 step after three steps
+    (docs/benchmarks.md, thirty-fifth and thirty-sixth sessions). Joining only
+    stacks of one whole shape gave the same difference with twice the kernel
+    bodies: the 1b optimizer step compiled in 12.9-15.0 s against 6.2-7.7 s.
+    Elsewhere (Megatron's order) each stack runs as :func:`newton_schulz` runs
+    it, bit for bit.
 
     The iterates of every stack are alive together: memory for speed where no
     communication could overlap the stacks one by one.
@@ -417,11 +420,11 @@ def newton_schulz_many(
     store_dtype = _storage_dtype(xs[0].dtype, precision)
     steps = _coefficient_schedule(coefficient_type, num_ns_steps)
     options = dict(steps=steps, precision=_LAX_PRECISION[precision], acc_dtype=acc_dtype)
-    # Stacks of one whole shape, [..., m, n], each as [1, m, n] if it is one matrix.
-    members: dict[tuple[int, ...], list[int]] = {}
+    # Stacks of one matrix shape [m, n], each flattened to [matrices, m, n].
+    members: dict[tuple[int, int], list[int]] = {}
     for k, x in enumerate(xs):
-        members.setdefault((1,) * (x.ndim == 2) + x.shape, []).append(k)
-    talls = [shape[-2] > shape[-1] for shape in members]
+        members.setdefault(x.shape[-2:], []).append(k)
+    talls = [m > n for m, n in members]
 
     def megatron_order(stacks):  # stack by stack: a longer batch may round otherwise
         return [
@@ -430,14 +433,19 @@ def newton_schulz_many(
 
     def folded(stacks):
         joined = [
-            jnp.concatenate([_normalized(stacks[k].reshape(shape), eps, store_dtype) for k in ks])
+            jnp.concatenate(
+                [_normalized(stacks[k].reshape(-1, *shape), eps, store_dtype) for k in ks]
+            )
             for shape, ks in members.items()
         ]
         outs = _iterate_folded_together(joined, talls, **options)
         parts = [None] * len(stacks)
-        for (shape, ks), out in zip(members.items(), outs):
-            for n, k in enumerate(ks):
-                parts[k] = out[n * shape[0] : (n + 1) * shape[0]].reshape(xs[k].shape)
+        for ks, out in zip(members.values(), outs):
+            start = 0
+            for k in ks:
+                end = start + math.prod(xs[k].shape[:-2])
+                parts[k] = out[start:end].reshape(xs[k].shape)
+                start = end
         return parts
 
     on_cuda = folded if coefficient_type in _FOLDED_TABLES else megatron_order

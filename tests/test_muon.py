@@ -436,9 +436,10 @@ def test_newton_schulz_batched_equals_per_matrix(shape, precision):
 @pytest.mark.parametrize("branch", ["default", "cuda"])
 @pytest.mark.parametrize("precision", ["highest", "medium"])
 def test_newton_schulz_many_is_each_stacks_newton_schulz(monkeypatch, branch, precision):
-    # Stacks of one shape are joined and iterated as one, the others alongside (a lone
-    # matrix and a stack of one of its shape apart): each comes back as newton_schulz of it
-    # alone, in Megatron's order and in the folded CUDA iteration (run here on the CPU).
+    # The matrices of every stack of one [m, n] are joined and iterated as one, whatever
+    # their leading axes (a lone matrix among them), the others alongside: each comes back
+    # as newton_schulz of it alone, in Megatron's order and in the folded CUDA iteration
+    # (run here on the CPU).
     if branch == "cuda":
         monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, cuda, default: cuda(*a))
     shapes = [(2, 5, 7), (9, 4), (2, 5, 7), (2, 3, 5, 7), (9, 4), (1, 9, 4), (2, 3, 5, 7), (6, 6)]
