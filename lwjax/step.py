@@ -47,6 +47,7 @@ sum), so its sum over ``dp`` is the gradient of the global mean loss too.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -169,7 +170,9 @@ def update_with_stats(
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over a group's devices.
-    stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
+    rebuilt = packed_again(plan, grads, reduced=reduced)
+    stats = grad_statistics(plan, grad_shards, ranks, rebuilt)
+    stats = with_schedules_checked(plan, stats, state.count)
     # 4. The directions of the matrices dealt to devices, every bucket's in one exchange.
     views = bucket_views(plan, ranks)
     dealt = joint_directions(plan, views, state.momenta, grad_shards, stats)
@@ -249,6 +252,13 @@ def reduce_scatter(
     return out
 
 
+def packed_again(plan: StepPlan, grads, *, reduced: bool = False):
+    """:func:`reduce_scatter` of ``grads`` as a function to call again, where it moves nothing
+    between devices (``reduced``, or one device per group and no groups); else ``None``."""
+    local = reduced or (plan.axes.replica_size == 1 and all(b.dp == 1 for b in plan.buffers))
+    return functools.partial(reduce_scatter, plan, grads, reduced=reduced) if local else None
+
+
 def _kept_as_given(plan: StepPlan, grads, reduced: bool) -> list:
     """Per buffer, the gradients' own dtype where its shards are this device's gradients as
     they are, else ``None``: a Muon buffer that nothing reduces (one data-parallel device,
@@ -282,7 +292,7 @@ def over_statistics(reduce, x, plan: StepPlan):
     return reduce(x, plan.axes.statistics)
 
 
-def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
+def grad_statistics(plan: StepPlan, grad_shards, ranks, rebuilt=None) -> GradStats:
     r"""Phase 3: per norm group the global gradient norm and clip coefficient; the zero count.
 
     .. math::
@@ -297,6 +307,12 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     only when a gradient is. The zero count leaves out padding and is summed in
     fp32, as Megatron's ``count_zeros_fp32`` does: exact below :math:`2^{24}`,
     and with no int32 sum to wrap past :math:`2^{31}`.
+
+    ``rebuilt`` (:func:`packed_again`), where given, packs the gradients again
+    inside that rare pass instead of passing ``grad_shards`` into it: XLA writes a
+    conditional's operands to memory, and at one data-parallel device nothing else
+    needs the packed buckets written, as their readers fuse the packing in (the 1b
+    optimizer step on one H200: about 1 ms; docs/benchmarks.md).
     """
     groups = [
         [
@@ -308,18 +324,22 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
     num_groups = len(plan.norm_groups)
     dtype = plan.master_dtype  # gradients kept narrow (reduce_scatter) are summed in it
     counted = counted_masks(plan, ranks)
-    # Elements counted elsewhere are zeros here: they add nothing to a sum or a maximum.
-    grad_shards = [
-        [count_once(x, c) for x, c in zip(buckets, kept)]
-        for buckets, kept in zip(grad_shards, counted)
-    ]
 
-    def per_group(value, reduce, combine) -> jax.Array:
+    def counted_once(xs):
+        # Elements counted elsewhere are zeros here: they add nothing to a sum or a maximum.
+        return [
+            [count_once(x, c) for x, c in zip(buckets, kept)] for buckets, kept in zip(xs, counted)
+        ]
+
+    grad_shards = counted_once(grad_shards)
+
+    def per_group(xs, value, reduce, combine) -> jax.Array:
         """``[num_groups]``: ``reduce`` (sum or max) of ``value(x, group)`` over this
-        device's elements of each group, shard results joined by ``combine`` (the values
-        are >= 0, so 0 stands for the other groups' elements and for empty groups)."""
+        device's elements of each group in the shards ``xs``, shard results joined by
+        ``combine`` (the values are >= 0, so 0 stands for the other groups' elements and for
+        empty groups)."""
         totals = [0] * num_groups
-        for buckets, bucket_groups in zip(grad_shards, groups):
+        for buckets, bucket_groups in zip(xs, groups):
             for x, group in zip(buckets, bucket_groups):
                 v = value(x.astype(dtype), group)
                 if isinstance(group, jax.Array):
@@ -336,14 +356,15 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks) -> GradStats:
             count = jnp.sum(x == 0 if c is True else (x == 0) & c, dtype=jnp.int32)
             count = count - shards.rank_row([[p] for p in padding], rank)[0]
             zeros = zeros + count.astype(jnp.float32)
-    sums = per_group(lambda x, _: jnp.square(x), jnp.sum, jnp.add)
+    sums = per_group(grad_shards, lambda x, _: jnp.square(x), jnp.sum, jnp.add)
     sums, zeros = over_statistics(lax.psum, (sums, zeros), plan)
 
     def scaled_norms():
-        peaks = per_group(lambda x, _: jnp.abs(x), jnp.max, jnp.maximum)
+        xs = grad_shards if rebuilt is None else counted_once(rebuilt())
+        peaks = per_group(xs, lambda x, _: jnp.abs(x), jnp.max, jnp.maximum)
         peaks = over_statistics(lax.pmax, peaks, plan)
         scale = jnp.where(peaks > 0, peaks, 1)
-        scaled = per_group(lambda x, group: jnp.square(x / scale[group]), jnp.sum, jnp.add)
+        scaled = per_group(xs, lambda x, group: jnp.square(x / scale[group]), jnp.sum, jnp.add)
         return scale * jnp.sqrt(over_statistics(lax.psum, scaled, plan))
 
     norms = lax.cond(jnp.any(jnp.isinf(sums)), scaled_norms, lambda: jnp.sqrt(sums))

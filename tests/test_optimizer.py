@@ -1060,15 +1060,17 @@ def test_weight_decay_schedule_is_accepted_and_a_float_stays_static():
 
 
 @pytest.mark.parametrize("pipeline_muon", [False, True])
-def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon, dp):
     """Gradients of 1e20 square to infinity in fp32; the norm is then computed scaled by the
     largest magnitude, so the step clips them like the same gradients at 1e-18 of the size
-    (the update is the same up to rounding; only an infinite gradient skips)."""
+    (the update is the same up to rounding; only an infinite gradient skips). At dp 1 that
+    pass packs the gradients again itself (``step.packed_again``)."""
     params = toy_params(layers=2)
-    (device_grads,) = random_grads(params, 2, steps=1, seed=3)
+    (device_grads,) = random_grads(params, dp, steps=1, seed=3)
     opt = layerwise_muon(
         params,
-        mesh_of(2),
+        mesh_of(dp),
         learning_rate=0.01,
         config=OptimizerConfig(clip_grad=1.0, pipeline_muon=pipeline_muon),
         routing=RoutingRules(grad_norm_group={"embed/*": "embed"}),
@@ -1088,6 +1090,46 @@ def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon):
     )
     for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_rescaled_norm_pass_packs_the_gradients_itself_at_one_rank(dp):
+    """The norm's rescaled pass (taken only when the squares overflow) is a conditional, and
+    XLA writes a conditional's operands to memory. At dp 1 nothing but that pass would need the
+    packed buckets written (their readers fuse the packing in), so it packs the gradients
+    itself: its operands are the gradient leaves. At dp 2 they are the reduce-scattered
+    shards, which the collectives wrote anyway."""
+    params = toy_params(layers=2)
+    opt = layerwise_muon(
+        params, mesh_of(dp), learning_rate=0.01, config=OptimizerConfig(clip_grad=1.0)
+    )
+    (device_grads,) = random_grads(params, dp, steps=1, seed=3)
+    grads = jax.tree.map(lambda *xs: jnp.stack(xs), *device_grads)
+    jaxpr = jax.make_jaxpr(_step_fn(opt))(params, opt.init(params), grads).jaxpr
+    (rescaled,) = [
+        e
+        for e in _eqns(jaxpr)
+        if e.primitive.name == "cond"
+        and any(i.primitive.name == "reduce_max" for b in e.params["branches"] for i in _eqns(b))
+    ]
+    operands = {tuple(v.aval.shape) for v in rescaled.invars[1:] if v.aval.size > 1}
+    leaves = {tuple(x.shape) for x in jax.tree.leaves(params)}
+    shards = {(size,) for b in opt.plan.buffers for size in b.shard_sizes}
+    if dp == 1:
+        assert operands and operands <= leaves, operands - leaves
+    else:
+        assert operands & shards - leaves, operands
 
 
 # Abstract parameters past int32 (nothing is allocated): two bf16 matrices of 2**30 elements.
