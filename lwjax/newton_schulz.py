@@ -380,16 +380,16 @@ def newton_schulz_many(
     of every stack of one ``[m, n]`` are concatenated into one batch and iterated
     as one, and each step's upper-tile kernels for every batch run as one launch
     (:func:`lwjax.gram.upper_grams`): launched apart, each stack's last round of
-    tiles leaves most of the GPU idle. Every tile, normalisation and rounding is
-    the one :func:`newton_schulz` computes. The products :math:`F X` are XLA's,
-    whose GEMM autotuner may pick another cuBLAS kernel for a longer batch, with
-    other low bits: the 1b workload's step differs from stack by stack in 0.6%
-    of one leaf's elements by one bf16 step after three steps
-    (docs/benchmarks.md, thirty-fifth and thirty-sixth sessions). Joining only
-    stacks of one whole shape gave the same difference with twice the kernel
-    bodies: the 1b optimizer step compiled in 12.9-15.0 s against 6.2-7.7 s.
-    Elsewhere (Megatron's order) each stack runs as :func:`newton_schulz` runs
-    it, bit for bit.
+    tiles leaves most of the GPU idle. Every tile and normalisation is the one
+    :func:`newton_schulz` computes; only the products :math:`F X` may round
+    otherwise. They are XLA's, whose GEMM autotuner may pick another cuBLAS
+    kernel for a longer batch: in three processes of four, the 1b workload's step
+    differed from stack by stack in 0.6% of one leaf's elements by one bf16 step
+    after three steps (docs/benchmarks.md, thirty-fifth and thirty-sixth
+    sessions). Joining only stacks of one whole shape gave the same difference
+    with twice the kernel bodies: the 1b optimizer step compiled in 12.9-15.0 s
+    against 6.2-7.7 s. Elsewhere (Megatron's order) each stack runs as
+    :func:`newton_schulz` runs it, bit for bit.
 
     The iterates of every stack are alive together: memory for speed where no
     communication could overlap the stacks one by one.

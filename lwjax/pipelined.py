@@ -46,7 +46,6 @@ from lwjax.step import (
     device_ranks,
     finish,
     grad_statistics,
-    packed_again,
     reduce_scatter,
     update_with_stats,
     with_schedules_checked,
@@ -135,9 +134,7 @@ def speculative_update(
     grad_shards = reduce_scatter(plan, grads, order, reduced=reduced)
     speculation = speculate(plan, state, grad_shards, views)
     # 3. Norms, clip coefficients and the zero count.
-    rebuilt = packed_again(plan, grads, reduced=reduced)
-    stats = grad_statistics(plan, grad_shards, ranks, rebuilt)
-    stats = with_schedules_checked(plan, stats, state.count)
+    stats = with_schedules_checked(plan, grad_statistics(plan, grad_shards, ranks), state.count)
     if plan.config.clip_grad and speculation.own.of:
         # The speculation kept where it held, else each bucket's directions computed again.
         directions = keep_or_redo(plan, speculation, state, grad_shards, views, stats)

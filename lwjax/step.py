@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -170,8 +171,8 @@ def update_with_stats(
     # 1-2. Local gradients packed and reduce-scattered: each device holds its shards' mean gradient.
     grad_shards = reduce_scatter(plan, grads, reduced=reduced)
     # 3. Norms, clip coefficients and the zero count, from one psum over a group's devices.
-    rebuilt = packed_again(plan, grads, reduced=reduced)
-    stats = grad_statistics(plan, grad_shards, ranks, rebuilt)
+    repack = local_repack(plan, grads, reduced=reduced)
+    stats = grad_statistics(plan, grad_shards, ranks, repack)
     stats = with_schedules_checked(plan, stats, state.count)
     # 4. The directions of the matrices dealt to devices, every bucket's in one exchange.
     views = bucket_views(plan, ranks)
@@ -252,10 +253,13 @@ def reduce_scatter(
     return out
 
 
-def packed_again(plan: StepPlan, grads, *, reduced: bool = False):
-    """:func:`reduce_scatter` of ``grads`` as a function to call again, where it moves nothing
-    between devices (``reduced``, or one device per group and no groups); else ``None``."""
-    local = reduced or (plan.axes.replica_size == 1 and all(b.dp == 1 for b in plan.buffers))
+def local_repack(
+    plan: StepPlan, grads, *, reduced: bool = False
+) -> Callable[[], list[list[jax.Array]]] | None:
+    """:func:`reduce_scatter` of ``grads`` as a function to call again, where every buffer has
+    one data-parallel device and there are no sharding groups (nothing moves between
+    devices); else ``None``."""
+    local = plan.axes.replica_size == 1 and all(b.dp == 1 for b in plan.buffers)
     return functools.partial(reduce_scatter, plan, grads, reduced=reduced) if local else None
 
 
@@ -292,7 +296,7 @@ def over_statistics(reduce, x, plan: StepPlan):
     return reduce(x, plan.axes.statistics)
 
 
-def grad_statistics(plan: StepPlan, grad_shards, ranks, rebuilt=None) -> GradStats:
+def grad_statistics(plan: StepPlan, grad_shards, ranks, repack=None) -> GradStats:
     r"""Phase 3: per norm group the global gradient norm and clip coefficient; the zero count.
 
     .. math::
@@ -308,11 +312,13 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks, rebuilt=None) -> GradSta
     fp32, as Megatron's ``count_zeros_fp32`` does: exact below :math:`2^{24}`,
     and with no int32 sum to wrap past :math:`2^{31}`.
 
-    ``rebuilt`` (:func:`packed_again`), where given, packs the gradients again
+    ``repack`` (:func:`local_repack`), where given, packs the gradients again
     inside that rare pass instead of passing ``grad_shards`` into it: XLA writes a
-    conditional's operands to memory, and at one data-parallel device nothing else
-    needs the packed buckets written, as their readers fuse the packing in (the 1b
-    optimizer step on one H200: about 1 ms; docs/benchmarks.md).
+    conditional's operands to memory, and in :func:`update`'s step at one
+    data-parallel device nothing else needs the packed buckets written, as their
+    readers fuse the packing in (the 1b optimizer step on one H200: about 1 ms;
+    docs/benchmarks.md). The pipelined step passes none: its speculation's barriers
+    take the packed buckets anyway.
     """
     groups = [
         [
@@ -360,7 +366,7 @@ def grad_statistics(plan: StepPlan, grad_shards, ranks, rebuilt=None) -> GradSta
     sums, zeros = over_statistics(lax.psum, (sums, zeros), plan)
 
     def scaled_norms():
-        xs = grad_shards if rebuilt is None else counted_once(rebuilt())
+        xs = grad_shards if repack is None else counted_once(repack())
         peaks = per_group(xs, lambda x, _: jnp.abs(x), jnp.max, jnp.maximum)
         peaks = over_statistics(lax.pmax, peaks, plan)
         scale = jnp.where(peaks > 0, peaks, 1)

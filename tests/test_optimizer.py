@@ -1060,12 +1060,13 @@ def test_weight_decay_schedule_is_accepted_and_a_float_stays_static():
 
 
 @pytest.mark.parametrize("pipeline_muon", [False, True])
-@pytest.mark.parametrize("dp", [1, 2])
-def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon, dp):
+@pytest.mark.parametrize(("dp", "dtype"), [(1, jnp.float32), (1, jnp.bfloat16), (2, jnp.float32)])
+def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon, dp, dtype):
     """Gradients of 1e20 square to infinity in fp32; the norm is then computed scaled by the
-    largest magnitude, so the step clips them like the same gradients at 1e-18 of the size
+    largest magnitude, so the step clips them like the same gradients at 2**-60 of the size
     (the update is the same up to rounding; only an infinite gradient skips). At dp 1 that
-    pass packs the gradients again itself (``step.packed_again``)."""
+    pass packs the gradients again itself (``step.local_repack``), bf16 ones as the step
+    keeps them (unpromoted)."""
     params = toy_params(layers=2)
     (device_grads,) = random_grads(params, dp, steps=1, seed=3)
     opt = layerwise_muon(
@@ -1076,9 +1077,10 @@ def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon, dp):
         routing=RoutingRules(grad_norm_group={"embed/*": "embed"}),
     )
     step = _step_fn(opt)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).astype(jnp.float32), *device_grads)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).astype(dtype), *device_grads)
+    scale = 2.0**60  # a power of two: the same values, in bf16 too
     cases = (
-        jax.tree.map(lambda x: x * jnp.float32(1e18), stacked),
+        jax.tree.map(lambda x: x * jnp.asarray(scale, dtype), stacked),
         stacked,
         jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.inf), stacked),  # this one skips
     )
@@ -1086,7 +1088,7 @@ def test_huge_finite_gradients_are_clipped_not_skipped(pipeline_muon, dp):
     (big, _, big_metrics), (ref, _, ref_metrics), (_, _, inf_metrics) = results
     assert not bool(big_metrics["skipped"]) and bool(inf_metrics["skipped"])
     np.testing.assert_allclose(
-        float(big_metrics["grad_norm"]), float(ref_metrics["grad_norm"]) * 1e18, rtol=1e-5
+        float(big_metrics["grad_norm"]), float(ref_metrics["grad_norm"]) * scale, rtol=1e-5
     )
     for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
