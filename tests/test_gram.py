@@ -1,8 +1,6 @@
-"""The upper-tile Gram kernel (lwjax.gram): run in Pallas' interpreter on the CPU, and lowered
-for CUDA."""
+"""The upper-tile Gram kernel (lwjax.gram), run in Pallas' interpreter on the CPU."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -239,47 +237,3 @@ def test_newton_schulz_of_stacks_together_is_each_stack_alone_bit_for_bit(small_
     for y, tall, out in zip(ys, talls, together):
         alone = ns_lib._iterate_folded(y, steps, tall=tall, **options)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
-
-
-def _lowered_functions(text: str) -> dict[str, tuple[int, list[str]]]:
-    """Per function of a StableHLO module: how many times the module calls it, and the result
-    types of the Triton kernels it launches."""
-    bodies = dict(re.findall(r"func\.func (?:private |public )?@(\w+)(.*?)\n  \}", text, re.S))
-    return {
-        name: (
-            len(re.findall(rf"call @{name}\(", text)),
-            [
-                types.strip("()")
-                for types in re.findall(
-                    r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\) -> (\(.*?\)|tensor<.*?>)\n", body
-                )
-            ],
-        )
-        for name, body in bodies.items()
-    }
-
-
-def test_newton_schulz_many_lowers_one_launch_per_kernel_and_step_for_cuda():
-    """Lowered for CUDA (on any host: Pallas lowers its kernels to Triton in Python), the
-    stacks of one matrix shape are one batch whatever their leading axes, and each
-    Newton–Schulz step launches one Gram kernel and one factor kernel for every batch the
-    kernels take: here 5 steps, 2 kernels, 3 batches in each launch."""
-    shapes = [
-        (1, 5, 2048, 2048),  # joined with the two below: 14 matrices
-        (8, 2048, 2048),
-        (2048, 2048),
-        (2, 16384, 2048),  # tall: its Gram is [2048, 2048] too, of rows
-        (3, 2048, 8192),  # joined with the one below: 4 matrices
-        (2048, 8192),
-        (2, 512, 1024),  # below gram.MIN_SIZE: XLA's products, no kernel
-    ]
-    xs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
-    many = jax.jit(lambda xs: ns_lib.newton_schulz_many(xs, "quintic", 5, precision="medium"))
-    text = many.trace(xs).lower(lowering_platforms=("cuda",)).as_text()
-    launching = {n: f for n, f in _lowered_functions(text).items() if f[1]}
-    batches = ["tensor<14x2048x2048xbf16>", "tensor<2x2048x2048xbf16>", "tensor<4x2048x2048xbf16>"]
-    assert sorted(launching) == ["_polynomials", "_upper_grams"], launching
-    for calls, results in launching.values():
-        assert calls == 5
-        (types,) = results
-        assert sorted(types.split(", ")) == sorted(batches)

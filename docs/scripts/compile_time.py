@@ -10,6 +10,13 @@ fusions off). Environment switches, one process each: ``XLA_DEFAULTS=1`` (XLA's 
 options instead), ``XLA_FLAGS=--xla_gpu_autotune_level=0`` (no autotuning), ``NO_GRAM_KERNEL=1``
 (Newton–Schulz's symmetric products as plain matmuls, ``lwjax.gram.fits`` false).
 
+``kernels WORKLOAD [LAYERS]`` lowers the same lwjax Muon step for CUDA on any host (abstract
+parameters; Pallas lowers its kernels to Triton in Python) and prints, per function of the module
+that launches Pallas' Triton kernels, how many times the step calls it, each kernel's result
+types and the size of its Triton IR: the kernels XLA will compile, counted before a GPU is
+needed. Thirty-sixth session: the 1b step's 12 kernels of 8-12 k characters each (119 k in
+all) compiled 1.7 s faster than 2 of 36 k and 44 k (docs/benchmarks.md).
+
 ``leaves COUNTS SECONDS`` trains one step of a model of ``n`` leaves (``n/2`` ``[32, 32]``
 matrices and ``n/2`` biases) on 8 virtual CPU devices, with ``lwjax.make_train_step`` and with
 replicated ``optax.contrib.muon`` in ``shard_map``, each count and contender in a process of its
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -90,6 +98,54 @@ def steps(workload: str, layers: int | None) -> dict:
         bench.optax_step(loss, tx, mesh), (params, jax.jit(tx.init)(params), batch)
     )
     return out
+
+
+def triton_launches(text: str) -> dict[str, dict]:
+    """Per function of a StableHLO module that launches Pallas' Triton kernels: ``calls`` (how
+    many times the module calls it), and per kernel its ``results`` (types) and ``ir_chars``
+    (its Triton IR as the module carries it, escaped)."""
+    bodies = dict(re.findall(r"func\.func (?:private |public )?@(\w+)(.*?)\n  \}", text, re.S))
+    out = {}
+    for name, body in bodies.items():
+        kernels = []
+        for line in body.splitlines():
+            if "custom_call @__gpu$xla.gpu.triton(" not in line:
+                continue
+            ir = re.search(r'\bir = "((?:[^"\\]|\\.)*)"', line)
+            results = re.search(r"-> \(?(.*?)\)?$", line[ir.end() :])
+            kernels.append({"results": results.group(1).split(", "), "ir_chars": len(ir.group(1))})
+        if kernels:
+            out[name] = {"calls": len(re.findall(rf"call @{name}\(", text)), "kernels": kernels}
+    return out
+
+
+def kernels(workload: str, layers: int | None) -> dict[str, dict]:
+    """:func:`triton_launches` of the training bench's lwjax Muon step, lowered for CUDA."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lwjax.megatron.model import init_params
+    from lwjax.tools import bench
+
+    cfg = bench.TrainBenchConfig(workload=workload, layers=layers)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+    config, loss = cfg.model(), cfg.loss()
+    shapes = jax.eval_shape(
+        lambda key: init_params(config, key, cfg.param_dtype), jax.random.key(0)
+    )
+    replicated = NamedSharding(mesh, P())
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), shapes
+    )
+    batch = bench.synthetic_batch(
+        mesh, cfg.micro_batch or 4, cfg.seq_len or 2048, config.vocab_size
+    )
+    optimizer = bench.lwjax_optimizer(params, mesh, cfg, muon=True)
+    state = jax.eval_shape(optimizer.init, params)
+    traced = bench.lwjax_step(loss, optimizer).trace(params, state, batch)
+    return triton_launches(traced.lower(lowering_platforms=("cuda",)).as_text())
 
 
 def _leaves_point(kind: str, n: int) -> dict:
@@ -166,6 +222,8 @@ def leaves(counts: list[int], seconds: float) -> None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["steps"]:
         print(json.dumps(steps(argv[1], int(argv[2]) if len(argv) > 2 else None), indent=1))
+    elif argv[:1] == ["kernels"]:
+        print(json.dumps(kernels(argv[1], int(argv[2]) if len(argv) > 2 else None), indent=1))
     elif argv[:1] == ["leaves"]:
         leaves([int(n) for n in argv[1].split(",")], float(argv[2]))
     elif argv[:1] == ["_point"]:
