@@ -6,7 +6,6 @@ pytest process has used JAX, so it cannot join a job); the single-process
 references run here, on the 8 virtual CPU devices of ``conftest.py``.
 """
 
-import importlib.util
 import io
 import pathlib
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from module_files import imported
 
 from lwjax import checkpoint
 from lwjax import distributed as dist
@@ -28,14 +28,7 @@ LAUNCH_TIMEOUT = 240  # s: generous for 2 shared cores, but bounded
 HEARTBEAT = 5  # s
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("train_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _worker_module()
+worker = imported(WORKER)
 
 
 def _launch(*args, nproc=2, devices=4, **options):

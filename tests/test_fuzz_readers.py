@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from module_files import imported
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "megatron"
 HARNESS = pathlib.Path(__file__).parent / "fuzz" / "fuzz_readers.py"
@@ -87,10 +88,7 @@ def test_only_the_readers_error_escapes_mutated_fixtures():
 @pytest.fixture(scope="module")
 def harness():
     """tests/fuzz/fuzz_readers.py, imported (no atheris needed)."""
-    spec = importlib.util.spec_from_file_location("fuzz_readers", HARNESS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return imported(HARNESS)
 
 
 @pytest.mark.parametrize("target", TARGETS)

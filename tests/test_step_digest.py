@@ -2,21 +2,18 @@
 the same SHA-256 and no differing leaf; one element changed in the saved parameters is reported
 at its leaf, once, with its relative size."""
 
-import importlib.util
 import pathlib
 
 import numpy as np
 import pytest
+from module_files import imported
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "scripts" / "step_digest.py"
 
 
 @pytest.fixture(scope="module")
 def step_digest():
-    spec = importlib.util.spec_from_file_location("step_digest", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return imported(SCRIPT)
 
 
 def test_a_changed_element_is_reported_at_its_leaf(step_digest):
