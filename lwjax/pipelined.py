@@ -10,8 +10,9 @@ coefficient is below 1. After the norm, :func:`keep_or_redo` keeps them where
 the speculation held and computes them again from the clipped gradients where
 it did not, so the result is the serial step's up to rounding either way.
 Without clipping there is nothing to speculate on and the step is exact.
-Matrices dealt to devices (:mod:`lwjax.joint_directions`) are speculated on
-together, once every layer-wise shard is in.
+The joint pass' matrices (dealt to devices; at one data-parallel rank every
+whole one: :mod:`lwjax.joint_directions`) are speculated on together, once
+every layer-wise shard is in.
 
 A failed speculation runs Newton–Schulz twice. So with clipping,
 :func:`update_pipelined` speculates only after a step that needed no Muon
@@ -147,18 +148,18 @@ def speculative_update(
 
 
 class Speculation(NamedTuple):
-    """The speculative directions: each bucket's own slot groups', and the dealt ones'."""
+    """The speculative directions: each bucket's own slot groups', and the joint pass' ones."""
 
-    own: Directions  # Per bucket, its own groups' (None for the dealt ones).
-    joint: Directions | None  # The dealt groups' (:func:`lwjax.joint_directions.joint_directions`).
+    own: Directions  # Per bucket, its own groups' (None for the joint ones).
+    joint: Directions | None  # The joint groups' (:func:`lwjax.joint_directions.joint_directions`).
 
 
 def speculate(plan: StepPlan, state: LayerwiseState, grad_shards, views) -> Speculation:
     """Every layer-wise bucket's Muon directions in update order, each as soon as its shard is in,
-    then those of the matrices dealt to devices, every bucket's in one exchange.
+    then those of the joint pass, every bucket's together.
 
     The chain of barriers keeps XLA from running them in another order; the
-    reduce-scatters of later buckets run meanwhile (the dealt matrices wait
+    reduce-scatters of later buckets run meanwhile (the joint pass waits
     for the last layer-wise one). The gradients are taken unclipped, which is
     exact only where the clip coefficients are all 1, and without the finite
     check (their momenta are not final).
@@ -196,7 +197,7 @@ def keep_or_redo(
     gradients, with the finite check.
 
     Each bucket's recomputation is the body of its own ``while_loop`` that
-    runs at most once, and so is the joint exchange of the dealt matrices: a
+    runs at most once, and so is the joint pass: a
     loop's carry is updated in place, where a ``lax.cond`` copies what it
     passes through, and a loop per bucket lets each bucket's update and
     gather start without waiting for every other bucket's Newton–Schulz. (On

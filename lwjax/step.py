@@ -31,8 +31,9 @@ device only, and phase 4 orthogonalises split matrices as
 ``MuonConfig.tp_mode`` says (:mod:`lwjax.parallel.exchange`).
 
 Matrices split over those axes and dealt to devices (``"duplicated"``) get
-their directions first, every bucket's in one exchange
-(:mod:`lwjax.joint_directions`). Phases 4 and 5 (:mod:`lwjax.bucket_update`)
+their directions first, every bucket's in one exchange, and so, at one
+data-parallel rank, does every whole matrix (:mod:`lwjax.joint_directions`,
+:func:`lwjax.parallel.ns_deal.is_joint`). Phases 4 and 5 (:mod:`lwjax.bucket_update`)
 run bucket by bucket in the order of the plan's
 :class:`~lwjax.schedule.BucketSchedule`, which pairs each gather with a later
 bucket's update so that it hides behind Newton–Schulz. The speculative variant,
@@ -174,12 +175,13 @@ def update_with_stats(
     repack = local_repack(plan, grads, reduced=reduced)
     stats = grad_statistics(plan, grad_shards, ranks, repack)
     stats = with_schedules_checked(plan, stats, state.count)
-    # 4. The directions of the matrices dealt to devices, every bucket's in one exchange.
+    # 4. The joint pass' directions (dealt matrices; at one rank every whole one), every
+    # bucket's together.
     views = bucket_views(plan, ranks)
-    dealt = joint_directions(plan, views, state.momenta, grad_shards, stats)
+    joint = joint_directions(plan, views, state.momenta, grad_shards, stats)
     # 4-5. Each owned shard updated (Muon after the finite check), cast and gathered (with
     # gather), in order.
-    new = update_and_gather(plan, views, state, grad_shards, stats, dealt, gather=gather)
+    new = update_and_gather(plan, views, state, grad_shards, stats, joint, gather=gather)
     # 6. The gathered buckets unpacked into parameters (with gather).
     return *finish(plan, state, params, new, stats), stats
 
