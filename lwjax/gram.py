@@ -16,8 +16,9 @@ rounds once to the output dtype. :func:`polynomial` forms the step's whole facto
 with the same tile of :math:`a I + b A` before it rounds: no fp32 :math:`A^2` is
 written, and no pass over it follows. Below ``MIN_SIZE`` the kernel's tiles lose to
 cuBLAS, so :func:`fits` turns those stacks down (timings: docs/benchmarks.md).
-:func:`upper_grams` and :func:`polynomials` launch several stacks' tiles as one
-kernel, so that no stack's last partial round of tiles leaves the GPU idle.
+:func:`upper_grams` launches the tiles of several stacks with one Gram edge as one
+kernel, so that no stack's last partial round of tiles leaves the GPU idle, and writes
+their Gram matrices as one array; :func:`polynomials` runs one kernel body over it.
 
 The kernel needs a GPU with bf16 tensor cores (Ampere or newer). It has no
 sharding rule: call it on device-local stacks (inside ``shard_map``, as the
@@ -82,6 +83,7 @@ class _Programs(NamedTuple):
     steps: int  # BLOCK_K slices of the contracted axis
     transposed: bool  # the rows are contracted
     matrices_inner: bool
+    first: int  # the joined result's index of the stack's first matrix
 
     @property
     def end(self) -> int:
@@ -137,36 +139,54 @@ def upper_gram(x: jax.Array, axis: int, dtype, *, interpret: bool = False) -> ja
       ValueError: If the stack is not one :func:`fits` takes.
     """
     _check_gram("upper_gram", "x", x, axis)
-    return _upper_grams((x,), (axis,), jnp.dtype(dtype), False, interpret)[0]
+    gram = _upper_grams((x,), (axis,), jnp.dtype(dtype), False, interpret)
+    return gram.reshape(*x.shape[:-2], *gram.shape[-2:])
 
 
 def upper_grams(
     xs: Sequence[jax.Array], axes: Sequence[int], dtype, *, interpret: bool = False
-) -> list[jax.Array]:
-    """:func:`upper_gram` of several stacks in one launch.
+) -> jax.Array:
+    """:func:`upper_gram` of several stacks with one Gram edge, in one launch, as one array.
 
     Launched alone, each stack ends in a round of tiles too few to fill the GPU
     (a pair of 1b's ``[16384, 2048]`` matrices: 272 tiles for 264 slots, so a
     second round of 8). Launched together, heaviest tiles first, the light
     stacks fill the heavy ones' last rounds. Every tile is the one
-    :func:`upper_gram` computes, bit for bit.
+    :func:`upper_gram` computes, bit for bit. The result is one array, so that
+    :func:`polynomials` runs one kernel body over all of them.
 
     Args:
-      xs: Arrays ``[..., r, c]`` of bf16, each a stack :func:`fits` takes.
+      xs: Arrays ``[..., r, c]`` of bf16, each a stack :func:`fits` takes, all with
+        the same Gram edge ``s``.
       axes: Each stack's contracted axis, -1 or -2.
       dtype: Output dtype.
       interpret: Run the kernel in Pallas' interpreter (any backend; for tests).
 
+    Returns:
+      ``[matrices, s, s]`` in ``dtype``: every stack's Gram matrices, the stacks in the
+      given order, each one's leading axes flattened.
+
     Raises:
       ValueError: If ``axes`` does not give one axis per stack, or a stack is
-        not one :func:`fits` takes (named by its index).
+        not one :func:`fits` takes or has another Gram edge (named by its index).
     """
     xs, axes = tuple(xs), tuple(axes)
     if len(xs) != len(axes):
         raise ValueError(f"upper_grams: expected one axis per stack; got {len(xs)=}, {axes=}.")
     for k, (x, axis) in enumerate(zip(xs, axes)):
         _check_gram("upper_grams", f"xs[{k}]", x, axis)
+        if _edge(x, axis) != _edge(xs[0], axes[0]):
+            raise ValueError(
+                f"upper_grams: expected stacks with one Gram edge; xs[0] has "
+                f"{_edge(xs[0], axes[0])} and xs[{k}] has {_edge(x, axis)} "
+                f"(xs[{k}].shape={x.shape}, axis={axis})."
+            )
     return _upper_grams(xs, axes, jnp.dtype(dtype), True, interpret)
+
+
+def _edge(x: jax.Array, axis: int) -> int:
+    """The edge of ``x``'s Gram matrices: its free axis."""
+    return x.shape[-2] if axis == -1 else x.shape[-1]
 
 
 def _check_gram(where: str, name: str, x: jax.Array, axis: int) -> None:
@@ -182,72 +202,102 @@ def _check_gram(where: str, name: str, x: jax.Array, axis: int) -> None:
 # once per shape (Newton-Schulz calls it twice a step for every slot group: 200 calls and
 # 4.6 s of tracing and lowering in the 1b workload's step when each was built anew).
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _upper_grams(xs, axes, dtype, together: bool, interpret: bool) -> list[jax.Array]:
+def _upper_grams(xs, axes, dtype, together: bool, interpret: bool) -> jax.Array:
     """:func:`upper_grams` after its checks (``together=False``: one stack, scheduled alone)."""
     stacks, geometry = [], []
     for x, axis in zip(xs, axes):
         rows, cols = x.shape[-2:]
         stacks.append(x.reshape(-1, rows, cols))
-        size, depth = (rows, cols) if axis == -1 else (cols, rows)
-        geometry.append((size, depth, axis == -2))
-    outs = _launch(_gram_tile, (), stacks, geometry, dtype, together, interpret)
-    return [o.reshape(*x.shape[:-2], *o.shape[-2:]) for o, x in zip(outs, xs)]
+        geometry.append((_edge(x, axis), cols if axis == -1 else rows, axis == -2))
+    (joined,) = _launch(
+        _gram_tile,
+        (),
+        stacks,
+        geometry,
+        (sum(s.shape[0] for s in stacks),),
+        dtype,
+        together,
+        interpret,
+    )
+    return joined
 
 
-def _launch(tile, operands, stacks, geometry, dtype, together: bool, interpret: bool):
+def _launch(tile, operands, stacks, geometry, counts, dtype, together: bool, interpret: bool):
     """One program per output tile ``(n, i, j)`` of every stack's ``[matrices, size, size]``
-    result in ``dtype``: ``tile(operand_refs, stack_ref, out_ref, i, j, programs)`` on matrix
-    ``n`` where ``i <= j``. ``geometry`` gives each stack's ``(size, depth, transposed)``;
-    ``operands`` are small 1-d arrays every program reads whole. Stacks with deeper tiles
-    launch first; each stack's programs run as :func:`_schedule` says, or as
-    :func:`_together` says with ``together``."""
+    result in ``dtype``: ``tile(operand_refs, stack_ref, i, j, programs)`` on matrix ``n``
+    where ``i <= j``, stored with its mirror. ``geometry`` gives each stack's
+    ``(size, depth, transposed)``, one ``size`` for all; ``operands`` are small 1-d arrays
+    every program reads whole. The results, the stacks' matrices in order, are written as
+    arrays of ``counts`` matrices each. Stacks with deeper tiles launch first; each stack's
+    programs run as :func:`_schedule` says, or as :func:`_together` says with ``together``."""
     order = sorted(range(len(stacks)), key=lambda k: -geometry[k][1])
     together_schedule = _together(any(transposed for *_, transposed in geometry))
     programs, start = [None] * len(stacks), 0
+    firsts = [sum(s.shape[0] for s in stacks[:k]) for k in range(len(stacks))]
     for k in order:
-        size, depth, transposed = geometry[k]
+        edge, depth, transposed = geometry[k]
         schedule = together_schedule if together else _schedule(transposed)
         programs[k] = _Programs(
             start,
             stacks[k].shape[0],
-            size // BLOCK,
+            edge // BLOCK,
             depth // BLOCK_K,
             transposed,
             schedule.matrices_inner,
+            firsts[k],
         )
         start = programs[k].end
     stages = (together_schedule if together else _schedule(geometry[0][2])).stages
+    size = geometry[0][0]
+    bounds = [(sum(counts[:r]), sum(counts[: r + 1])) for r in range(len(counts))]
 
     def kernel(*refs):
         fixed = refs[: len(operands)]
-        ins, outs = refs[len(operands) : -len(stacks)], refs[-len(stacks) :]
+        ins, outs = refs[len(operands) : -len(counts)], refs[-len(counts) :]
         p = pl.program_id(0)
-        for of, in_ref, out_ref in zip(programs, ins, outs):
+        for of, in_ref in zip(programs, ins):
 
             @pl.when((p >= of.start) & (p < of.end))
-            def _(of=of, in_ref=in_ref, out_ref=out_ref):
-                _, i, j = of.tile(p)
+            def _(of=of, in_ref=in_ref):
+                n, i, j = of.tile(p)
 
                 @pl.when(i <= j)
                 def _():
-                    tile(fixed, in_ref, out_ref, i, j, of)
+                    # Rounded before the stores: an fp32 tile held across several outputs'
+                    # stores spilled 1076 bytes of registers (468 so), and the 1b step took
+                    # 0.8 ms longer (docs/benchmarks.md, thirty-seventh session).
+                    result = tile(fixed, in_ref, i, j, of).astype(dtype)
+                    for (lo, hi), out_ref in zip(bounds, outs):
+                        if lo <= of.first and of.first + of.matrices <= hi:
+                            _store_with_mirror(out_ref, i, j, result)
+                        elif lo < of.first + of.matrices and of.first < hi:
 
-    matrix = lambda of: lambda p: (of.tile(p)[0], 0, 0)  # noqa: E731
+                            @pl.when((of.first + n >= lo) & (of.first + n < hi))
+                            def _(out_ref=out_ref):
+                                _store_with_mirror(out_ref, i, j, result)
+
+    def in_block(of):
+        return lambda p: (of.tile(p)[0], 0, 0)
+
+    def out_block(lo, hi):
+        def index(p):  # the program's matrix in the joined result, clamped into [lo, hi)
+            joined = sum(
+                jnp.where((p >= of.start) & (p < of.end), of.first + of.tile(p)[0], 0)
+                for of in programs
+            )
+            return jnp.clip(joined - lo, 0, hi - lo - 1), 0, 0
+
+        return index
+
     return pl.pallas_call(
         kernel,
-        out_shape=[
-            jax.ShapeDtypeStruct((s.shape[0], size, size), dtype)
-            for s, (size, _, _) in zip(stacks, geometry)
-        ],
+        out_shape=[jax.ShapeDtypeStruct((count, size, size), dtype) for count in counts],
         grid=(start,),
         in_specs=[
             *(pl.BlockSpec(o.shape, lambda p: (0,)) for o in operands),
-            *(pl.BlockSpec((None, *s.shape[1:]), matrix(of)) for s, of in zip(stacks, programs)),
+            *(pl.BlockSpec((None, *s.shape[1:]), in_block(of)) for s, of in zip(stacks, programs)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, size, size), matrix(of))
-            for (size, _, _), of in zip(geometry, programs)
-        ],
+        out_specs=[pl.BlockSpec((None, size, size), out_block(lo, hi)) for lo, hi in bounds],
         compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=stages),
         interpret=interpret,
     )(*operands, *stacks)
@@ -273,25 +323,52 @@ def polynomial(
       ValueError: If the stack is not square or not one :func:`fits` takes.
     """
     _check_square("polynomial", "gram", gram)
-    return _polynomials((gram,), _coefficients(coefficients), False, interpret)[0]
+    stack = gram.reshape(-1, *gram.shape[-2:])
+    (factor,) = _polynomials(stack, _coefficients(coefficients), (stack.shape[0],), interpret)
+    return factor.reshape(gram.shape)
 
 
 def polynomials(
-    grams: Sequence[jax.Array],
+    joined: jax.Array,
     coefficients: tuple[float, float, float],
+    counts: Sequence[int],
     *,
     interpret: bool = False,
 ) -> list[jax.Array]:
-    """:func:`polynomial` of several stacks in one launch, with the same coefficients
-    (heaviest tiles first, as :func:`upper_grams` launches them; bit for bit the same).
+    """:func:`polynomial` of the stacks :func:`upper_grams` joined, in one launch, each
+    stack's factors written as an array of its own, so that they come apart without a copy.
+
+    One kernel body serves every stack. Launched over the stacks as separate operands,
+    the kernel repeated its loop once per stack; the 1b workload's, three bodies, took
+    about 2.5 s of the training step's compile (docs/benchmarks.md, thirty-seventh
+    session).
+
+    Args:
+      joined: Array ``[matrices, s, s]`` of bf16, symmetric matrices (``upper_grams``'s
+        output).
+      coefficients: ``(a, b, c)``.
+      counts: The stacks' matrix counts, in order, summing to ``matrices``.
+      interpret: Run the kernel in Pallas' interpreter (any backend; for tests).
+
+    Returns:
+      One array ``[count, s, s]`` per count, bit for bit :func:`polynomial`'s.
 
     Raises:
-      ValueError: If a stack is not square or not one :func:`fits` takes (named by its index).
+      ValueError: If ``joined`` is not a square ``[matrices, s, s]`` stack
+        :func:`fits` takes, or ``counts`` are not positive and summing to ``matrices``.
     """
-    grams = tuple(grams)
-    for k, a in enumerate(grams):
-        _check_square("polynomials", f"grams[{k}]", a)
-    return _polynomials(grams, _coefficients(coefficients), True, interpret)
+    _check_square("polynomials", "joined", joined)
+    counts = tuple(counts)
+    if (
+        joined.ndim != 3
+        or not all(isinstance(n, int) and n > 0 for n in counts)
+        or sum(counts) != joined.shape[0]
+    ):
+        raise ValueError(
+            "polynomials: expected joined [matrices, s, s] and positive int counts summing "
+            f"to matrices; got joined.shape={joined.shape}, counts={counts}."
+        )
+    return _polynomials(joined, _coefficients(coefficients), counts, interpret)
 
 
 def _check_square(where: str, name: str, a: jax.Array) -> None:
@@ -309,14 +386,12 @@ def _coefficients(coefficients: tuple[float, float, float]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _polynomials(grams, coefficients: jax.Array, together: bool, interpret: bool) -> list:
+def _polynomials(stack, coefficients: jax.Array, counts: tuple, interpret: bool) -> list:
     """:func:`polynomials` after its checks; ``coefficients`` is ``[a, b, c, 0]``."""
-    stacks = [a.reshape(-1, *a.shape[-2:]) for a in grams]
-    geometry = [(a.shape[-1], a.shape[-1], False) for a in grams]
-    outs = _launch(
-        _factor_tile, (coefficients,), stacks, geometry, jnp.bfloat16, together, interpret
+    geometry = [(stack.shape[-1], stack.shape[-1], False)]
+    return _launch(
+        _factor_tile, (coefficients,), [stack], geometry, counts, jnp.bfloat16, False, interpret
     )
-    return [o.reshape(a.shape) for o, a in zip(outs, grams)]
 
 
 def _tile_product(x_ref, i, j, steps: int, transposed: bool) -> jax.Array:
@@ -341,21 +416,21 @@ def _tile_product(x_ref, i, j, steps: int, transposed: bool) -> jax.Array:
 
 def _store_with_mirror(out_ref, i, j, tile: jax.Array) -> None:
     """Write ``tile`` at ``(i, j)`` and, off the diagonal, its transpose at ``(j, i)``."""
-    out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = tile.astype(out_ref.dtype)
+    out_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)] = tile
 
     @pl.when(i < j)
     def _():
-        out_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)] = tile.T.astype(out_ref.dtype)
+        out_ref[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)] = tile.T
 
 
-def _gram_tile(fixed, x_ref, out_ref, i, j, of: _Programs) -> None:
-    """Tile ``(i, j)`` of one matrix's Gram product and its mirror."""
+def _gram_tile(fixed, x_ref, i, j, of: _Programs) -> jax.Array:
+    """Tile ``(i, j)`` of one matrix's Gram product."""
     del fixed
-    _store_with_mirror(out_ref, i, j, _tile_product(x_ref, i, j, of.steps, of.transposed))
+    return _tile_product(x_ref, i, j, of.steps, of.transposed)
 
 
-def _factor_tile(fixed, a_ref, out_ref, i, j, of: _Programs) -> None:
-    """Tile ``(i, j)`` of ``a I + b A + c A A^T`` and its mirror: the same sums, in the same
+def _factor_tile(fixed, a_ref, i, j, of: _Programs) -> jax.Array:
+    """Tile ``(i, j)`` of ``a I + b A + c A A^T``: the same sums, in the same
     order, as the factor XLA would form from :func:`upper_gram`'s fp32 ``A A^T``."""
     (coefficients_ref,) = fixed
     square = _tile_product(a_ref, i, j, of.steps, transposed=False)
@@ -368,4 +443,4 @@ def _factor_tile(fixed, a_ref, out_ref, i, j, of: _Programs) -> None:
     linear = a * eye + b * a_ref[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)].astype(
         jnp.float32
     )
-    _store_with_mirror(out_ref, i, j, linear + c * square)
+    return linear + c * square

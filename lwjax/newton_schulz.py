@@ -199,21 +199,26 @@ def _iterate_folded(
 
 
 def _iterate_folded_together(ys, talls, steps, *, precision, acc_dtype) -> list[jax.Array]:
-    """:func:`_iterate_folded` of several stacks in lockstep: each step's Gram and factor
-    kernels of every stack the kernel takes run as one launch
-    (:func:`lwjax.gram.upper_grams`, :func:`lwjax.gram.polynomials`), each tile as
-    :func:`_iterate_folded` computes it."""
+    """:func:`_iterate_folded` of several stacks in lockstep: each step's Gram kernels of
+    every stack the kernel takes, one Gram edge at a time, run as one launch
+    (:func:`lwjax.gram.upper_grams`), and so do their factor kernels
+    (:func:`lwjax.gram.polynomials`), each tile as :func:`_iterate_folded` computes it."""
     dot = functools.partial(_contract, precision=precision)
     axes = [-2 if tall else -1 for tall in talls]
-    kernel = [k for k, (y, axis) in enumerate(zip(ys, axes)) if _kernel_takes(y, axis, acc_dtype)]
+    by_edge = {}
+    for k, (y, axis) in enumerate(zip(ys, axes)):
+        if _kernel_takes(y, axis, acc_dtype):
+            by_edge.setdefault(y.shape[-2] if axis == -1 else y.shape[-1], []).append(k)
     ys = list(ys)
     for a, b, c in steps:
         factors = {}
-        if kernel:
-            grams = gram_lib.upper_grams(
+        for kernel in by_edge.values():
+            joined = gram_lib.upper_grams(
                 [ys[k] for k in kernel], [axes[k] for k in kernel], ys[kernel[0]].dtype
             )
-            factors = dict(zip(kernel, gram_lib.polynomials(grams, (a, b, c))))
+            counts = [math.prod(ys[k].shape[:-2]) for k in kernel]
+            for k, factor in zip(kernel, gram_lib.polynomials(joined, (a, b, c), counts)):
+                factors[k] = factor.reshape(*ys[k].shape[:-2], *factor.shape[-2:])
         for k, y in enumerate(ys):
             factor = factors.get(k)
             if factor is None:
@@ -378,9 +383,10 @@ def newton_schulz_many(
 
     On CUDA GPUs, where :func:`newton_schulz` folds the polynomial, the matrices
     of every stack of one ``[m, n]`` are concatenated into one batch and iterated
-    as one, and each step's upper-tile kernels for every batch run as one launch
-    (:func:`lwjax.gram.upper_grams`): launched apart, each stack's last round of
-    tiles leaves most of the GPU idle. Every tile and normalisation is the one
+    as one, and each step's upper-tile kernels for every batch of one Gram edge run
+    as one launch (:func:`lwjax.gram.upper_grams`, then one factor loop over their
+    joined Grams, :func:`lwjax.gram.polynomials`): launched apart, each stack's last
+    round of tiles leaves most of the GPU idle. Every tile and normalisation is the one
     :func:`newton_schulz` computes; only the products :math:`F X` may round
     otherwise. They are XLA's, whose GEMM autotuner may pick another cuBLAS
     kernel for a longer batch: in three processes of four, the 1b workload's step

@@ -188,24 +188,30 @@ def test_every_schedule_gives_the_same_bits(small_grams, monkeypatch, axis):
 
 def test_stacks_launched_together_give_each_stack_alone_bit_for_bit(small_grams):
     """One launch over stacks of other depths, orientations and matrix counts (the deeper
-    ones first, the programs matrix after matrix) computes every tile as a launch per stack."""
+    ones first, the programs matrix after matrix) computes every tile as a launch per stack,
+    into one array; one factor launch over it writes each stack's factors apart."""
     xs = [
         _bf16(4, 2, 256, 640),
         _bf16(5, 3, 256, 256),
-        _bf16(6, 512, 384),
+        _bf16(6, 512, 256),
         _bf16(7, 2, 2, 256, 128),
     ]
     axes = [-1, -1, -2, -1]
-    together = gram.upper_grams(xs, axes, jnp.bfloat16)
-    for x, axis, out in zip(xs, axes, together):
-        np.testing.assert_array_equal(
-            np.asarray(out), np.asarray(gram.upper_gram(x, axis, jnp.bfloat16))
-        )
+    counts = [2, 3, 1, 4]
+    joined = gram.upper_grams(xs, axes, jnp.bfloat16)
+    assert joined.shape == (sum(counts), 256, 256)
+    alone = [gram.upper_gram(x, axis, jnp.bfloat16) for x, axis in zip(xs, axes)]
+    np.testing.assert_array_equal(
+        np.asarray(joined), np.concatenate([np.asarray(a).reshape(-1, 256, 256) for a in alone])
+    )
     coefficients = (3.4, -4.7, 2.0)
-    factors = gram.polynomials([(a / 640).astype(jnp.bfloat16) for a in together], coefficients)
-    for a, out in zip(together, factors):
-        alone = gram.polynomial((a / 640).astype(jnp.bfloat16), coefficients)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    scaled = (joined / 640).astype(jnp.bfloat16)
+    factors = gram.polynomials(scaled, coefficients, counts)
+    ends = np.cumsum(counts)
+    for out, count, end in zip(factors, counts, ends):
+        assert out.shape == (count, 256, 256)
+        by_itself = gram.polynomial(scaled[end - count : end], coefficients)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(by_itself))
 
 
 def test_stacks_launched_together_are_checked_by_index():
@@ -217,16 +223,24 @@ def test_stacks_launched_together_are_checked_by_index():
             [-1, -1],
             jnp.bfloat16,
         )
-    with pytest.raises(ValueError, match=r"grams\[0\].shape=\(2048, 4096\)"):
-        gram.polynomials([jnp.zeros((2048, 4096), jnp.bfloat16)], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"one Gram edge; xs\[0\] has 2048 and xs\[1\] has 4096"):
+        gram.upper_grams(
+            [jnp.zeros((2048, 2048), jnp.bfloat16), jnp.zeros((4096, 2048), jnp.bfloat16)],
+            [-1, -1],
+            jnp.bfloat16,
+        )
+    with pytest.raises(ValueError, match=r"joined.shape=\(2048, 4096\)"):
+        gram.polynomials(jnp.zeros((2048, 4096), jnp.bfloat16), (1.0, 0.0, 0.0), [1])
+    with pytest.raises(ValueError, match=r"summing to matrices; got .*counts=\(1, 2\)"):
+        gram.polynomials(jnp.zeros((2, 2048, 2048), jnp.bfloat16), (1.0, 0.0, 0.0), [1, 2])
 
 
 def test_newton_schulz_of_stacks_together_is_each_stack_alone_bit_for_bit(small_grams):
-    """The CUDA iteration of several stacks in lockstep (same-shape stacks joined, the
-    kernels of every stack in one launch a step) against each stack's own: the same bits,
-    kernel stacks and a stack the kernel does not take alike."""
+    """The CUDA iteration of several stacks in lockstep (the kernels of every stack of one
+    Gram edge in one launch a step; here edges 256 and 384) against each stack's own: the
+    same bits, kernel stacks and a stack the kernel does not take alike."""
     steps = ns_lib._coefficient_schedule("quintic", 5)
-    shapes = [(2, 256, 384), (3, 384, 256), (256, 512), (2, 64, 128)]
+    shapes = [(2, 256, 384), (3, 384, 256), (256, 512), (2, 64, 128), (384, 640)]
     talls = [m > n for *_, m, n in shapes]
     ys = []
     for k, shape in enumerate(shapes):

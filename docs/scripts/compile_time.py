@@ -13,9 +13,10 @@ options instead), ``XLA_FLAGS=--xla_gpu_autotune_level=0`` (no autotuning), ``NO
 ``kernels WORKLOAD [LAYERS]`` lowers the same lwjax Muon step for CUDA on any host (abstract
 parameters; Pallas lowers its kernels to Triton in Python) and prints, per function of the module
 that launches Pallas' Triton kernels, how many times the step calls it, each kernel's result
-types and the size of its Triton IR: the kernels XLA will compile, counted before a GPU is
-needed. Thirty-sixth session: the 1b step's 12 kernels of 8-12 k characters each (119 k in
-all) compiled 1.7 s faster than 2 of 36 k and 44 k (docs/benchmarks.md).
+types, the size of its Triton IR and its accumulation loops (``tt.dot`` operations): the
+kernels XLA will compile, counted before a GPU is needed. A kernel's loops compile as one
+program: the 1b step's factor kernel with three loops took 2.5 s of the step's compile (LLVM to
+PTX, then ptxas), with one loop 0.8 s (docs/benchmarks.md, thirty-seventh session).
 
 ``leaves COUNTS SECONDS`` trains one step of a model of ``n`` leaves (``n/2`` ``[32, 32]``
 matrices and ``n/2`` biases) on 8 virtual CPU devices, with ``lwjax.make_train_step`` and with
@@ -102,8 +103,9 @@ def steps(workload: str, layers: int | None) -> dict:
 
 def triton_launches(text: str) -> dict[str, dict]:
     """Per function of a StableHLO module that launches Pallas' Triton kernels: ``calls`` (how
-    many times the module calls it), and per kernel its ``results`` (types) and ``ir_chars``
-    (its Triton IR as the module carries it, escaped)."""
+    many times the module calls it), and per kernel its ``results`` (types), ``ir_chars`` (its
+    Triton IR as the module carries it, escaped) and ``dots`` (its ``tt.dot`` operations: one
+    per accumulation loop the kernel's code holds)."""
     bodies = dict(re.findall(r"func\.func (?:private |public )?@(\w+)(.*?)\n  \}", text, re.S))
     out = {}
     for name, body in bodies.items():
@@ -113,10 +115,32 @@ def triton_launches(text: str) -> dict[str, dict]:
                 continue
             ir = re.search(r'\bir = "((?:[^"\\]|\\.)*)"', line)
             results = re.search(r"-> \(?(.*?)\)?$", line[ir.end() :])
-            kernels.append({"results": results.group(1).split(", "), "ir_chars": len(ir.group(1))})
+            kernels.append(
+                {
+                    "results": results.group(1).split(", "),
+                    "ir_chars": len(ir.group(1)),
+                    "dots": _triton_text(ir.group(1)).count(" = tt.dot "),
+                }
+            )
         if kernels:
             out[name] = {"calls": len(re.findall(rf"call @{name}\(", text)), "kernels": kernels}
     return out
+
+
+def _triton_text(escaped: str) -> str:
+    """The Triton module a custom call carries (MLIR bytecode in an escaped string attribute:
+    ``\\XX`` for a byte, ``\\\\`` for a backslash) as text."""
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir
+
+    def byte(match):
+        code = match.group(1)
+        return b"\\" if code == b"\\" else bytes([int(code, 16)])
+
+    data = re.sub(rb"\\(\\|[0-9A-Fa-f]{2})", byte, escaped.encode("latin-1"))
+    with ir.Context() as context:
+        triton.dialect.register_dialect(context)
+        return str(ir.Module.parse(data))
 
 
 def kernels(workload: str, layers: int | None) -> dict[str, dict]:
