@@ -484,13 +484,13 @@ def test_checkpoint_manager_keeps_the_last_n_and_restores_at_another_dp(tmp_path
     _assert_trees_equal(to_logical(_small(dp=4)[1], s4), to_logical(opt, state))
     p1, _ = manager.restore(_small(dp=1)[1], step=2)
     _assert_trees_equal(p1, _scaled(params, 2))
-    # A half-written step is no step; a new manager on the directory clears it away.
+    # A half-written step is no step; a new manager on the directory clears it away (orbax
+    # does so in the background, done before the manager's first save: checked below).
     (tmp_path / "run" / f"4{checkpoint_files.TMP_SUFFIX}-123").mkdir()
     assert manager.latest_step() == 3
     manager.close()  # one writer per directory
     with lwjax.CheckpointManager(tmp_path / "run", max_to_keep=2, async_save=True) as again:
         assert again.all_steps() == [2, 3]
-        assert _entries(tmp_path / "run") == ["2", "3"]
         # While step 4 is written in the background it is not a step, and step 2 stays.
         real_commit, may_commit = atomicity.AtomicRenameTemporaryPath.finalize, threading.Event()
 
