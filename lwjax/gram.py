@@ -28,6 +28,7 @@ optimizer does), or XLA gathers a sharded stack onto every device first.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -66,7 +67,7 @@ def _schedule(transposed: bool) -> _Schedule:
 
 
 def _together(transposed: bool) -> _Schedule:
-    """The schedule of stacks launched together (:func:`upper_grams`, :func:`polynomials`),
+    """The schedule of stacks launched together (:func:`upper_grams`),
     ``transposed`` if any of them contracts rows: matrix after matrix, the stages as one such
     stack takes them. Over the 1b step's stacks joined by shape (docs/benchmarks.md,
     thirty-fifth session): 57.6 ms of Newton–Schulz matrix after matrix against 63.0 ms with
@@ -171,8 +172,10 @@ def upper_grams(
         not one :func:`fits` takes or has another Gram edge (named by its index).
     """
     xs, axes = tuple(xs), tuple(axes)
-    if len(xs) != len(axes):
-        raise ValueError(f"upper_grams: expected one axis per stack; got {len(xs)=}, {axes=}.")
+    if not xs or len(xs) != len(axes):
+        raise ValueError(
+            f"upper_grams: expected one or more stacks, one axis each; got {len(xs)=}, {axes=}."
+        )
     for k, (x, axis) in enumerate(zip(xs, axes)):
         _check_gram("upper_grams", f"xs[{k}]", x, axis)
         if _edge(x, axis) != _edge(xs[0], axes[0]):
@@ -222,7 +225,9 @@ def _upper_grams(xs, axes, dtype, together: bool, interpret: bool) -> jax.Array:
     return joined
 
 
-def _launch(tile, operands, stacks, geometry, counts, dtype, together: bool, interpret: bool):
+def _launch(
+    tile, operands, stacks, geometry, counts, dtype, together: bool, interpret: bool
+) -> list[jax.Array]:
     """One program per output tile ``(n, i, j)`` of every stack's ``[matrices, size, size]``
     result in ``dtype``: ``tile(operand_refs, stack_ref, i, j, programs)`` on matrix ``n``
     where ``i <= j``, stored with its mirror. ``geometry`` gives each stack's
@@ -289,7 +294,7 @@ def _launch(tile, operands, stacks, geometry, counts, dtype, together: bool, int
 
         return index
 
-    return pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((count, size, size), dtype) for count in counts],
         grid=(start,),
@@ -301,6 +306,7 @@ def _launch(tile, operands, stacks, geometry, counts, dtype, together: bool, int
         compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=stages),
         interpret=interpret,
     )(*operands, *stacks)
+    return list(outs)
 
 
 def polynomial(
@@ -355,20 +361,35 @@ def polynomials(
 
     Raises:
       ValueError: If ``joined`` is not a square ``[matrices, s, s]`` stack
-        :func:`fits` takes, or ``counts`` are not positive and summing to ``matrices``.
+        :func:`fits` takes, or ``counts`` are not positive ints summing to ``matrices``.
     """
     _check_square("polynomials", "joined", joined)
-    counts = tuple(counts)
-    if (
-        joined.ndim != 3
-        or not all(isinstance(n, int) and n > 0 for n in counts)
-        or sum(counts) != joined.shape[0]
-    ):
+    if joined.ndim != 3:
         raise ValueError(
-            "polynomials: expected joined [matrices, s, s] and positive int counts summing "
-            f"to matrices; got joined.shape={joined.shape}, counts={counts}."
+            f"polynomials: expected joined a [matrices, s, s] stack; got {joined.shape=}."
         )
-    return _polynomials(joined, _coefficients(coefficients), counts, interpret)
+    return _polynomials(
+        joined, _coefficients(coefficients), _counts(counts, joined.shape[0]), interpret
+    )
+
+
+def _counts(counts, matrices: int) -> tuple[int, ...]:
+    """``counts`` as a tuple of ints, each positive, summing to ``matrices``."""
+    try:
+        given = list(counts)
+        checked = tuple(operator.index(n) for n in given if not isinstance(n, bool))
+    except TypeError:
+        given, checked = None, ()
+    if given is None or len(checked) != len(given) or not checked or min(checked) < 1:
+        raise ValueError(
+            f"polynomials: expected counts a non-empty sequence of positive ints; got {counts!r}."
+        )
+    if sum(checked) != matrices:
+        raise ValueError(
+            f"polynomials: expected counts summing to joined's {matrices} matrices; got "
+            f"{checked} (sum {sum(checked)})."
+        )
+    return checked
 
 
 def _check_square(where: str, name: str, a: jax.Array) -> None:

@@ -19,7 +19,8 @@ matrices at several data-parallel ranks, other modes) are computed bucket by buc
 With one data-parallel rank no bucket's gather waits to overlap a later bucket's
 Newton–Schulz, so every whole matrix of the step runs in one
 :func:`~lwjax.newton_schulz.newton_schulz_many`: the matrices of one shape from all
-buckets as one batch, each step's upper-tile kernels for all of them in one launch.
+buckets as one batch, each step's upper-tile kernels for all of them (of one Gram edge)
+in one launch.
 Launched bucket by bucket, each stack's last round of tiles left most of the GPU
 idle: the 1b workload's Newton–Schulz took 57.6 ms together against 61.5 ms apart
 (one H200, docs/benchmarks.md, thirty-fifth session). Every whole matrix's iterates

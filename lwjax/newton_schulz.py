@@ -231,8 +231,8 @@ def _iterate_folded_together(ys, talls, steps, *, precision, acc_dtype) -> list[
 
 def _kernel_takes(y: jax.Array, axis: int, acc_dtype) -> bool:
     """Whether the upper-tile kernels run ``y``'s products: they accumulate and combine in
-    fp32, so a float64 run keeps XLA's."""
-    return gram_lib.fits(y.shape, axis, y.dtype) and acc_dtype == jnp.float32
+    fp32, so a float64 run keeps XLA's, and an empty stack has no tiles to launch."""
+    return gram_lib.fits(y.shape, axis, y.dtype) and acc_dtype == jnp.float32 and y.size > 0
 
 
 def _xla_factor(gram: jax.Array, coefficients, acc_dtype, dtype, dot) -> jax.Array:

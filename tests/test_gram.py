@@ -215,8 +215,10 @@ def test_stacks_launched_together_give_each_stack_alone_bit_for_bit(small_grams)
 
 
 def test_stacks_launched_together_are_checked_by_index():
-    with pytest.raises(ValueError, match=r"one axis per stack"):
+    with pytest.raises(ValueError, match=r"one or more stacks, one axis each"):
         gram.upper_grams([jnp.zeros((2048, 2048), jnp.bfloat16)], [-1, -1], jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"one or more stacks"):
+        gram.upper_grams([], [], jnp.bfloat16)
     with pytest.raises(ValueError, match=r"xs\[1\].shape=\(1024, 4096\)"):
         gram.upper_grams(
             [jnp.zeros((2048, 2048), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)],
@@ -231,16 +233,23 @@ def test_stacks_launched_together_are_checked_by_index():
         )
     with pytest.raises(ValueError, match=r"joined.shape=\(2048, 4096\)"):
         gram.polynomials(jnp.zeros((2048, 4096), jnp.bfloat16), (1.0, 0.0, 0.0), [1])
-    with pytest.raises(ValueError, match=r"summing to matrices; got .*counts=\(1, 2\)"):
-        gram.polynomials(jnp.zeros((2, 2048, 2048), jnp.bfloat16), (1.0, 0.0, 0.0), [1, 2])
+    with pytest.raises(ValueError, match=r"joined a \[matrices, s, s\] stack"):
+        gram.polynomials(jnp.zeros((2048, 2048), jnp.bfloat16), (1.0, 0.0, 0.0), [1])
+    joined = jnp.zeros((2, 2048, 2048), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"summing to joined's 2 matrices; got \(1, 2\)"):
+        gram.polynomials(joined, (1.0, 0.0, 0.0), [1, 2])
+    for counts in (2, [], [True, True], [2, 0], [1.0, 1.0]):
+        with pytest.raises(ValueError, match=r"counts a non-empty sequence of positive ints"):
+            gram.polynomials(joined, (1.0, 0.0, 0.0), counts)
 
 
 def test_newton_schulz_of_stacks_together_is_each_stack_alone_bit_for_bit(small_grams):
     """The CUDA iteration of several stacks in lockstep (the kernels of every stack of one
     Gram edge in one launch a step; here edges 256 and 384) against each stack's own: the
-    same bits, kernel stacks and a stack the kernel does not take alike."""
+    same bits, kernel stacks and a stack the kernel does not take alike (an empty stack
+    among them, which launches nothing)."""
     steps = ns_lib._coefficient_schedule("quintic", 5)
-    shapes = [(2, 256, 384), (3, 384, 256), (256, 512), (2, 64, 128), (384, 640)]
+    shapes = [(2, 256, 384), (3, 384, 256), (256, 512), (2, 64, 128), (384, 640), (0, 256, 256)]
     talls = [m > n for *_, m, n in shapes]
     ys = []
     for k, shape in enumerate(shapes):

@@ -122,7 +122,8 @@ def is_joint(group: SlotGroup, buffer: BufferPlan) -> bool:
     (:mod:`lwjax.joint_directions`), before any bucket's update: matrices dealt to devices
     (:func:`is_dealt`), and whole matrices in a buffer of one data-parallel rank. That buffer
     gathers nothing for its buckets' updates to hide, and Newton–Schulz of every bucket
-    together runs one launch per step's kernels (:func:`lwjax.newton_schulz.newton_schulz_many`)."""
+    together runs one launch per step's kernels and Gram edge
+    (:func:`lwjax.newton_schulz.newton_schulz_many`)."""
     whole = group.tensor_split == ((), ())
     return is_dealt(group) or (buffer.dp == 1 and whole)
 
