@@ -105,7 +105,7 @@ def fits(shape: tuple[int, ...], axis: int, dtype) -> bool:
     """
     if len(shape) < 2 or jnp.dtype(dtype) != jnp.bfloat16 or axis not in (-1, -2):
         return False
-    size, depth = (shape[-2], shape[-1]) if axis == -1 else (shape[-1], shape[-2])
+    size, depth = _sides(shape, axis)
     return size >= MIN_SIZE and size % BLOCK == 0 and depth % BLOCK_K == 0
 
 
@@ -178,18 +178,19 @@ def upper_grams(
         )
     for k, (x, axis) in enumerate(zip(xs, axes)):
         _check_gram("upper_grams", f"xs[{k}]", x, axis)
-        if _edge(x, axis) != _edge(xs[0], axes[0]):
+        edge, first = _sides(x.shape, axis)[0], _sides(xs[0].shape, axes[0])[0]
+        if edge != first:
             raise ValueError(
-                f"upper_grams: expected stacks with one Gram edge; xs[0] has "
-                f"{_edge(xs[0], axes[0])} and xs[{k}] has {_edge(x, axis)} "
-                f"(xs[{k}].shape={x.shape}, axis={axis})."
+                f"upper_grams: expected stacks with one Gram edge; xs[0] has {first} and "
+                f"xs[{k}] has {edge} (xs[{k}].shape={x.shape}, axis={axis})."
             )
     return _upper_grams(xs, axes, jnp.dtype(dtype), True, interpret)
 
 
-def _edge(x: jax.Array, axis: int) -> int:
-    """The edge of ``x``'s Gram matrices: its free axis."""
-    return x.shape[-2] if axis == -1 else x.shape[-1]
+def _sides(shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+    """The edge of a ``[..., r, c]`` stack's Gram matrices (its free axis) and their depth
+    (the contracted ``axis``)."""
+    return (shape[-2], shape[-1]) if axis == -1 else (shape[-1], shape[-2])
 
 
 def _check_gram(where: str, name: str, x: jax.Array, axis: int) -> None:
@@ -209,9 +210,8 @@ def _upper_grams(xs, axes, dtype, together: bool, interpret: bool) -> jax.Array:
     """:func:`upper_grams` after its checks (``together=False``: one stack, scheduled alone)."""
     stacks, geometry = [], []
     for x, axis in zip(xs, axes):
-        rows, cols = x.shape[-2:]
-        stacks.append(x.reshape(-1, rows, cols))
-        geometry.append((_edge(x, axis), cols if axis == -1 else rows, axis == -2))
+        stacks.append(x.reshape(-1, *x.shape[-2:]))
+        geometry.append((*_sides(x.shape, axis), axis == -2))
     (joined,) = _launch(
         _gram_tile,
         (),
